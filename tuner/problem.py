@@ -1,0 +1,57 @@
+"""The attention problem a plan is tuned for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("float32",)
+DTYPE_BYTES = {"float32": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One attention shape: ``out = softmax(q k^T / sqrt(head_dim)) v`` per (batch, head).
+
+    Tensors are contiguous ``[batch, heads, seq_len, head_dim]``.
+    """
+
+    seq_len: int
+    head_dim: int
+    batch: int = 1
+    heads: int = 1
+    causal: bool = False
+    dtype: str = "float32"
+
+    @property
+    def batch_heads(self) -> int:
+        return self.batch * self.heads
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def attended_pairs(self) -> int:
+        """(query, key) pairs that contribute, per (batch, head): causal keeps k <= q."""
+        n = self.seq_len
+        return n * (n + 1) // 2 if self.causal else n * n
+
+    @property
+    def useful_flops(self) -> int:
+        """Matmul flops of the attention itself: 2 products of 2*D flops per pair.
+
+        This is the figure TFLOP/s is quoted against (4*B*H*N^2*D non-causal,
+        about half of it causal), whatever a kernel actually executes.
+        """
+        return 4 * self.batch_heads * self.attended_pairs * self.head_dim
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of one of q, k, v or out."""
+        return self.batch_heads * self.seq_len * self.head_dim * self.element_bytes
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (
+            f"{self.batch}x{self.heads}x{self.seq_len}x{self.head_dim} {self.dtype} {mask}"
+        )
