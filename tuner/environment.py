@@ -1,0 +1,25 @@
+"""Where a plan was tuned: the facts that make a timing comparable."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """GPU and toolchain identity. Plans are stored and served per environment.
+
+    ``gpu_name`` is "model" for cost-model predictions made without a GPU (the
+    profile's name goes in ``profile``); string fields are "" when unknown.
+    """
+
+    gpu_name: str
+    compute_capability: str  # "9.0"
+    sm_count: int
+    driver_version: str = ""
+    cuda_version: str = ""
+    nvcc_version: str = ""
+    pycuda_version: str = ""
+
+    def as_dict(self) -> dict[str, str | int]:
+        return asdict(self)
