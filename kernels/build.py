@@ -1,0 +1,430 @@
+"""Kernel sources plus compile-time constants -> cubins, compiled in parallel and cached on disk.
+
+A kernel variant is its family, its constants (``KernelPlan.compile_defines``),
+the hash of its ``.cu`` text, the target arch and the nvcc that compiled it.
+``seq_len`` and the split partition are launch arguments, so many plans share
+one variant: ``compile_many`` compiles each variant once.
+
+The cache holds, per variant, ``<name>.cubin`` and ``<name>.json`` (ptxas's
+parsed report, the cubin's sha256 and the nvcc version). Both are written to a
+temporary file and moved into place with ``os.replace``, so tuners sharing a
+cache directory never read half a file; the JSON is written last and names the
+cubin's hash, so a JSON without its matching cubin is a miss, never a bad hit.
+A hit runs no nvcc at all: where nvcc is absent, an entry compiled by any nvcc
+for the same source, constants and arch is served (deployment machines carry
+cubins, not compilers).
+
+Compile errors are values (``CompileFailure``); only a missing nvcc is an
+exception (``tuner.errors.BackendError``), since then nothing can be compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tuner.errors import BackendError
+from tuner.planner.tunable import ResourceUsage
+
+if TYPE_CHECKING:
+    from tuner.planner.tunable import KernelPlan
+
+KERNEL_DIR = Path(__file__).resolve().parent
+DEFAULT_ARCH = "sm_90"
+#: bumped when the flags or the cache layout change, so old entries are never served
+CACHE_FORMAT = 1
+#: ``-lineinfo`` stays off: it can change register allocation, and timings
+#: must describe the cubin that is deployed.
+NVCC_FLAGS: tuple[str, ...] = ("-cubin", "-O3", "-Xptxas", "-v")
+
+#: entry functions per family; the first is the one whose resources judge the plan.
+ENTRY_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "scalar_online": ("scalar_online_attention",),
+    "tiled": ("tiled_attention", "split_merge"),
+}
+SOURCES: dict[str, str] = {"scalar_online": "scalar_online.cu", "tiled": "tiled.cu"}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One kernel variant before the toolchain: family and compile-time constants."""
+
+    family: str
+    defines: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, family: str, defines: Mapping[str, int]) -> KernelSpec:
+        if family not in SOURCES:
+            raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
+        return cls(family, tuple(sorted((name, int(value)) for name, value in defines.items())))
+
+    @classmethod
+    def from_plan(cls, plan: KernelPlan) -> KernelSpec:
+        return cls.of(plan.family, plan.compile_defines())
+
+    @property
+    def key(self) -> str:
+        """A readable name built from every constant, so two variants never share one."""
+        return self.family + "".join(f"_{name}{value}" for name, value in self.defines)
+
+    @property
+    def primary_function(self) -> str:
+        return ENTRY_FUNCTIONS[self.family][0]
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledKernel:
+    spec: KernelSpec
+    cubin_path: Path
+    #: the bytes checked against the report's hash (the file may be replaced meanwhile)
+    cubin: bytes = field(repr=False)
+    #: ptxas's report for every entry function of the cubin
+    resources: dict[str, ResourceUsage]
+    source_hash: str
+    arch: str
+    nvcc_version: str
+    ptxas_log: str = field(default="", repr=False)
+    cache_hit: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+    @property
+    def primary_resources(self) -> ResourceUsage:
+        return self.resources[self.spec.primary_function]
+
+
+@dataclass(frozen=True, slots=True)
+class CompileFailure:
+    spec: KernelSpec
+    reason: str  # the first error line, for a trial's one-line record
+    stderr: str = field(default="", repr=False)
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+
+CompileResult = CompiledKernel | CompileFailure
+Progress = Callable[[int, int, CompileResult], None]
+
+
+def source_path(family: str) -> Path:
+    if family not in SOURCES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
+    return KERNEL_DIR / SOURCES[family]
+
+
+def source_hash(family: str) -> str:
+    """sha256 of the family's ``.cu`` text: the registry never serves a plan of other source."""
+    return hashlib.sha256(source_path(family).read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- nvcc
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME or $CUDA_PATH; None where there is none."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(variable)
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def _missing_nvcc() -> BackendError:
+    return BackendError(
+        "nvcc not found: put the CUDA toolkit's bin directory on PATH (or set CUDA_HOME) "
+        "to compile kernels; only cached cubins can be used without it"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _nvcc_version_of(nvcc: str) -> str:
+    result = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False)
+    match = re.search(r"release \S+, V(\S+)", result.stdout)
+    if result.returncode or not match:
+        raise BackendError(f"cannot read the version of {nvcc}: {result.stderr.strip()}")
+    return match.group(1)
+
+
+def nvcc_version() -> str | None:
+    """nvcc's full version ("13.0.88"), or None where no nvcc is installed."""
+    nvcc = find_nvcc()
+    return None if nvcc is None else _nvcc_version_of(nvcc)
+
+
+def nvcc_command(nvcc: str, spec: KernelSpec, arch: str, output: Path) -> list[str]:
+    defines = [f"-D{name}={value}" for name, value in spec.defines]
+    return [
+        nvcc,
+        *NVCC_FLAGS,
+        f"-arch={arch}",
+        *defines,
+        "-o",
+        str(output),
+        str(source_path(spec.family)),
+    ]
+
+
+# ---------------------------------------------------------------------------- ptxas report
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_PROPERTIES = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_report(text: str) -> dict[str, ResourceUsage]:
+    """Per entry function: registers, spills, stack frame and static shared memory.
+
+    ``Function properties`` blocks also appear for non-inlined device
+    functions; only entry functions are kept, since those are what launches.
+    """
+    frames: dict[str, tuple[int, int, int]] = {}
+    used: dict[str, tuple[int, int]] = {}
+    entries: list[str] = []
+    entry: str | None = None
+    properties_of: str | None = None
+    for line in text.splitlines():
+        if match := _ENTRY.search(line):
+            entry = match.group(1)
+            entries.append(entry)
+        elif match := _PROPERTIES.search(line):
+            properties_of = match.group(1)
+        elif (match := _FRAME.search(line)) and properties_of is not None:
+            frames[properties_of] = (int(match[1]), int(match[2]), int(match[3]))
+            properties_of = None
+        elif (match := _USED.search(line)) and entry is not None:
+            smem = _SMEM.search(line)
+            used[entry] = (int(match[1]), int(smem[1]) if smem else 0)
+    report: dict[str, ResourceUsage] = {}
+    for name in entries:
+        if name not in used:
+            continue
+        stack, spill_stores, spill_loads = frames.get(name, (0, 0, 0))
+        registers, static_shared = used[name]
+        report[name] = ResourceUsage(
+            registers=registers,
+            spill_store_bytes=spill_stores,
+            spill_load_bytes=spill_loads,
+            static_shared_bytes=static_shared,
+            stack_bytes=stack,
+        )
+    return report
+
+
+def first_error_line(stderr: str) -> str:
+    for line in stderr.splitlines():
+        if "error" in line.lower():
+            return line.strip()
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[0] if lines else "nvcc failed without a message"
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _variant_digest(spec: KernelSpec, arch: str) -> str:
+    identity = {
+        "format": CACHE_FORMAT,
+        "family": spec.family,
+        "defines": spec.defines,
+        "source": source_hash(spec.family),
+        "arch": arch,
+        "flags": NVCC_FLAGS,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _toolchain_digest(version: str) -> str:
+    return hashlib.sha256(version.encode()).hexdigest()[:8]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _load_entry(report_path: Path, spec: KernelSpec) -> CompiledKernel | None:
+    try:
+        record = json.loads(report_path.read_text())
+        cubin_path = report_path.with_suffix(".cubin")
+        cubin = cubin_path.read_bytes()
+        if hashlib.sha256(cubin).hexdigest() != record["cubin_sha256"]:
+            return None  # another writer is replacing the cubin; compile our own
+        return CompiledKernel(
+            spec=spec,
+            cubin_path=cubin_path,
+            cubin=cubin,
+            resources={name: ResourceUsage(**usage) for name, usage in record["resources"].items()},
+            source_hash=record["source_hash"],
+            arch=record["arch"],
+            nvcc_version=record["nvcc_version"],
+            ptxas_log=record["ptxas_log"],
+            cache_hit=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _cached(
+    spec: KernelSpec, cache_dir: Path, arch: str, version: str | None
+) -> CompiledKernel | None:
+    prefix = f"{spec.key}-{_variant_digest(spec, arch)}"
+    if version is not None:
+        return _load_entry(cache_dir / f"{prefix}-{_toolchain_digest(version)}.json", spec)
+    # No nvcc here: any toolchain's entry for this exact source will do; newest first.
+    candidates = sorted(cache_dir.glob(f"{prefix}-*.json"), key=_mtime, reverse=True)
+    for report_path in candidates:
+        if (hit := _load_entry(report_path, spec)) is not None:
+            return hit
+    return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def compile_kernel(
+    variant: KernelPlan | KernelSpec | tuple[str, Mapping[str, int]],
+    cache_dir: str | os.PathLike[str],
+    arch: str = DEFAULT_ARCH,
+) -> CompileResult:
+    """The cubin of one variant: from the cache, else compiled with nvcc and cached.
+
+    Raises ``BackendError`` only when the variant is not cached and no nvcc is installed.
+    """
+    spec = _as_spec(variant)
+    directory = Path(cache_dir).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    nvcc = find_nvcc()
+    version = None if nvcc is None else _nvcc_version_of(nvcc)
+    if (hit := _cached(spec, directory, arch, version)) is not None:
+        return hit
+    if nvcc is None or version is None:
+        raise _missing_nvcc()
+    return _compile(spec, directory, arch, nvcc, version)
+
+
+def _compile(
+    spec: KernelSpec, directory: Path, arch: str, nvcc: str, version: str
+) -> CompileResult:
+    source = source_hash(spec.family)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".nvcc-") as scratch:
+        output = Path(scratch) / "kernel.cubin"
+        result = subprocess.run(
+            nvcc_command(nvcc, spec, arch, output), capture_output=True, text=True, check=False
+        )
+        # ptxas -v writes its report on stderr, with or without errors.
+        log = result.stderr
+        if result.returncode != 0 or not output.exists():
+            reason = first_error_line(log).replace(f"{KERNEL_DIR}{os.sep}", "")
+            return CompileFailure(spec=spec, reason=reason, stderr=log)
+        cubin = output.read_bytes()
+    resources = parse_ptxas_report(log)
+    missing = [name for name in ENTRY_FUNCTIONS[spec.family] if name not in resources]
+    if missing:
+        return CompileFailure(
+            spec=spec, reason=f"ptxas reported no resources for {', '.join(missing)}", stderr=log
+        )
+    prefix = f"{spec.key}-{_variant_digest(spec, arch)}-{_toolchain_digest(version)}"
+    cubin_path = directory / f"{prefix}.cubin"
+    record = {
+        "family": spec.family,
+        "defines": dict(spec.defines),
+        "source_hash": source,
+        "arch": arch,
+        "nvcc_version": version,
+        "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+        "resources": {
+            name: {
+                "registers": usage.registers,
+                "spill_store_bytes": usage.spill_store_bytes,
+                "spill_load_bytes": usage.spill_load_bytes,
+                "static_shared_bytes": usage.static_shared_bytes,
+                "stack_bytes": usage.stack_bytes,
+            }
+            for name, usage in resources.items()
+        },
+        "ptxas_log": log,
+    }
+    # Cubin first, report last: a reader that finds the report finds its cubin.
+    _write_atomically(cubin_path, cubin)
+    _write_atomically(directory / f"{prefix}.json", json.dumps(record, indent=1).encode())
+    return CompiledKernel(
+        spec=spec,
+        cubin_path=cubin_path,
+        cubin=cubin,
+        resources=resources,
+        source_hash=source,
+        arch=arch,
+        nvcc_version=version,
+        ptxas_log=log,
+    )
+
+
+def _as_spec(variant: KernelPlan | KernelSpec | tuple[str, Mapping[str, int]]) -> KernelSpec:
+    if isinstance(variant, KernelSpec):
+        return variant
+    if isinstance(variant, tuple):
+        family, defines = variant
+        return KernelSpec.of(family, defines)
+    return KernelSpec.from_plan(variant)
+
+
+def compile_many(
+    plans: Iterable[KernelPlan | KernelSpec],
+    cache_dir: str | os.PathLike[str],
+    jobs: int | None = None,
+    arch: str = DEFAULT_ARCH,
+    progress: Progress | None = None,
+) -> dict[str, CompileResult]:
+    """Every distinct variant of ``plans``, keyed by ``KernelSpec.key``, compiled in parallel.
+
+    Threads suffice: each job waits on an nvcc subprocess. ``progress(done,
+    total, result)`` is called from the calling thread as variants finish.
+    """
+    specs: dict[str, KernelSpec] = {}
+    for plan in plans:
+        spec = _as_spec(plan)
+        specs.setdefault(spec.key, spec)
+    results: dict[str, CompileResult] = {}
+    if not specs:
+        return results
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvcc") as pool:
+        futures = {
+            pool.submit(compile_kernel, spec, cache_dir, arch): key for key, spec in specs.items()
+        }
+        for future in as_completed(futures):
+            result = future.result()
+            results[futures[future]] = result
+            if progress is not None:
+                progress(len(results), len(specs), result)
+    return results
