@@ -1,0 +1,257 @@
+"""CPU references: exact float64 attention, and numpy emulations of the CUDA kernels.
+
+``attention_reference`` is the ground truth parity checks compare against.
+``reference_rows`` computes only chosen rows of chosen heads, so checking a
+4x16x4096x128 output costs milliseconds. ``emulate_tiled`` replays the tiled
+kernel's algorithm with exactly a plan's partition (key tiles, splits,
+log2-domain online softmax, the -inf handling, the split merge), so the
+algorithm is tested on the CPU before any GPU runs it; ``emulate_scalar``
+does the same for the scalar kernel (the online update with one-key tiles).
+
+Arrays are ``[batch*heads, seq_len, head_dim]`` (any leading dimensions are
+accepted and kept).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from tuner.planner.tunable import KernelPlan
+
+FloatArray = npt.NDArray[np.floating]
+#: scores of one chunk of rows are kept below this many float64s (about 32 MiB)
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def scale_log2(head_dim: int) -> float:
+    """The kernels' ``scale_log2`` argument: scores in the log2 domain, ``log2(e)/sqrt(d)``."""
+    return math.log2(math.e) / math.sqrt(head_dim)
+
+
+def _heads_view(array: npt.ArrayLike) -> np.ndarray:
+    values = np.asarray(array)
+    if values.ndim < 2:
+        raise ValueError(f"expected [..., seq_len, head_dim], got shape {values.shape}")
+    return values.reshape(-1, *values.shape[-2:])
+
+
+def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v shapes differ: {q.shape}, {k.shape}, {v.shape}")
+
+
+def _softmax_rows(
+    q_rows: np.ndarray, k: np.ndarray, v: np.ndarray, rows: np.ndarray, causal: bool
+) -> np.ndarray:
+    """softmax(q k^T / sqrt(d)) v for the given query rows of one head, in float64."""
+    scores = (q_rows @ k.T) / math.sqrt(q_rows.shape[-1])
+    if causal:
+        scores = np.where(np.arange(k.shape[0])[None, :] <= rows[:, None], scores, -np.inf)
+    # Subtracting the row max keeps exp() in range; the diagonal (or any key,
+    # non-causal) is always unmasked, so the max is finite.
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights @ v) / weights.sum(axis=-1, keepdims=True)
+
+
+def reference_rows(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    causal: bool,
+    heads_idx: npt.ArrayLike,
+    rows_idx: npt.ArrayLike,
+) -> np.ndarray:
+    """float64 attention output for rows ``rows_idx`` of heads ``heads_idx``: ``[H, R, D]``."""
+    q3, k3, v3 = _heads_view(q), _heads_view(k), _heads_view(v)
+    _check_shapes(q3, k3, v3)
+    heads = np.asarray(heads_idx, dtype=np.int64).reshape(-1)
+    rows = np.asarray(rows_idx, dtype=np.int64).reshape(-1)
+    n, d = q3.shape[1:]
+    out = np.empty((heads.size, rows.size, d), dtype=np.float64)
+    chunk = max(1, _CHUNK_ELEMENTS // max(n, 1))
+    for slot, head in enumerate(heads):
+        k64 = k3[head].astype(np.float64)
+        v64 = v3[head].astype(np.float64)
+        for start in range(0, rows.size, chunk):
+            part = rows[start : start + chunk]
+            out[slot, start : start + chunk] = _softmax_rows(
+                q3[head, part].astype(np.float64), k64, v64, part, causal
+            )
+    return out
+
+
+def attention_reference(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool
+) -> np.ndarray:
+    """Exact float64 attention, ``softmax(q k^T / sqrt(d)) v``, same shape as ``q``."""
+    q_in = np.asarray(q)
+    q3 = _heads_view(q_in)
+    out = reference_rows(q3, k, v, causal, np.arange(q3.shape[0]), np.arange(q3.shape[1]))
+    return out.reshape(q_in.shape)
+
+
+# ---------------------------------------------------------------------------- emulation
+
+
+def _online_partials(
+    q_scaled: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    causal: bool,
+    key_begin: int,
+    key_end: int,
+    tile_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One split's (max, sum, unnormalised accumulator) for every row, as the kernel keeps them.
+
+    Vectorised over heads and all row blocks at once: a row block's causal
+    key bound (``row0 + rows_per_block``) is implied by the per-row mask
+    ``key <= query``, and a tile whose keys are all masked leaves (max, sum,
+    acc) unchanged exactly (correction 1, or 0 times zeros), so running every
+    tile for every block gives the kernel's values.
+    """
+    heads, n_rows, d = q_scaled.shape
+    dtype = q_scaled.dtype
+    n = k.shape[1]
+    row_max = np.full((heads, n_rows), -np.inf, dtype=dtype)
+    row_sum = np.zeros((heads, n_rows), dtype=dtype)
+    acc = np.zeros((heads, n_rows, d), dtype=dtype)
+    queries = np.arange(n_rows)
+    zero = dtype.type(0)
+    for tile_start in range(key_begin, key_end, tile_size):
+        keys = np.arange(tile_start, tile_start + tile_size)
+        # Key rows past seq_len are loaded as zeros, then masked.
+        k_tile = np.zeros((heads, tile_size, d), dtype=dtype)
+        v_tile = np.zeros((heads, tile_size, d), dtype=dtype)
+        present = keys < n
+        k_tile[:, present] = k[:, keys[present]]
+        v_tile[:, present] = v[:, keys[present]]
+        valid = np.broadcast_to(keys[None, :] < key_end, (n_rows, tile_size))
+        if causal:
+            valid = valid & (keys[None, :] <= queries[:, None])
+        score = np.where(valid, q_scaled @ k_tile.transpose(0, 2, 1), -np.inf).astype(dtype)
+        new_max = np.maximum(row_max, score.max(axis=-1))
+        # A row that has seen only masked keys keeps max -inf: shifting by 0
+        # keeps exp2(-inf) = 0 and avoids inf - inf = NaN, as the kernel does.
+        shift = np.where(new_max == -np.inf, zero, new_max)
+        correction = np.exp2(row_max - shift)
+        p = np.exp2(score - shift[..., None])
+        row_sum = row_sum * correction + p.sum(axis=-1, dtype=dtype)
+        row_max = new_max
+        acc = acc * correction[..., None] + p @ v_tile
+    return row_max, row_sum, acc
+
+
+def _merge_splits(maxes: np.ndarray, sums: np.ndarray, accs: np.ndarray) -> np.ndarray:
+    """``split_merge``: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    dtype = accs.dtype
+    merged_max = maxes.max(axis=0)
+    shift = np.where(merged_max == -np.inf, dtype.type(0), merged_max)
+    weights = np.exp2(maxes - shift[None])
+    total = (weights * sums).sum(axis=0)
+    value = (weights[..., None] * accs).sum(axis=0)
+    inverse = np.where(total > 0, dtype.type(1) / np.where(total > 0, total, 1), 0).astype(dtype)
+    return value * inverse[..., None]
+
+
+def emulate_online(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    causal: bool,
+    *,
+    tile_size: int,
+    keys_per_split: int,
+    rows_per_block: int = 1,
+    splits: int | None = None,
+    dtype: npt.DTypeLike = np.float32,
+) -> np.ndarray:
+    """The tiled kernel's algorithm for an explicit partition; see ``emulate_tiled``.
+
+    ``splits`` defaults to the splits needed to cover the keys; a plan may
+    launch more (empty splits only add zero-weight partials).
+    """
+    q_in = np.asarray(q)
+    work = np.dtype(dtype)
+    q3, k3, v3 = (_heads_view(a).astype(work) for a in (q, k, v))
+    _check_shapes(q3, k3, v3)
+    if tile_size <= 0 or keys_per_split <= 0 or rows_per_block <= 0:
+        raise ValueError("tile_size, keys_per_split and rows_per_block must be > 0")
+    heads, n, d = q3.shape
+    # The kernel loads whole row blocks, zero-filling rows past seq_len; those
+    # rows are computed and never written, so they are padded and dropped here.
+    padded_rows = -(-n // rows_per_block) * rows_per_block
+    q_scaled = np.zeros((heads, padded_rows, d), dtype=work)
+    q_scaled[:, :n] = q3 * work.type(scale_log2(d))
+    if splits is None:
+        splits = max(1, -(-n // keys_per_split))
+    partials = [
+        _online_partials(
+            q_scaled,
+            k3,
+            v3,
+            causal,
+            key_begin=min(n, s * keys_per_split),
+            key_end=min(n, (s + 1) * keys_per_split),
+            tile_size=tile_size,
+        )
+        for s in range(splits)
+    ]
+    if splits == 1:
+        row_max, row_sum, acc = partials[0]
+        inverse = np.where(row_sum > 0, work.type(1) / np.where(row_sum > 0, row_sum, 1), 0)
+        out = acc * inverse.astype(work)[..., None]
+    else:
+        out = _merge_splits(
+            np.stack([p[0] for p in partials]),
+            np.stack([p[1] for p in partials]),
+            np.stack([p[2] for p in partials]),
+        )
+    return out[:, :n].reshape(q_in.shape)
+
+
+def emulate_tiled(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    causal: bool,
+    plan: KernelPlan,
+    dtype: npt.DTypeLike = np.float32,
+) -> np.ndarray:
+    """``kernels/tiled.cu`` replayed in numpy with the plan's partition.
+
+    Row blocks of ``rows_per_block``, key tiles of ``tile_size``, splits of
+    ``keys_per_sequence_split`` keys (one launch column each), then the split
+    merge when there is more than one. ``dtype`` float32 mimics the kernel's
+    arithmetic (up to summation order); float64 checks the algorithm itself.
+    """
+    if plan.family != "tiled":
+        raise ValueError(f"emulate_tiled needs a tiled plan, got {plan.family!r}")
+    return emulate_online(
+        q,
+        k,
+        v,
+        causal,
+        tile_size=plan.tile_size,
+        keys_per_split=plan.keys_per_sequence_split,
+        rows_per_block=plan.rows_per_block,
+        splits=plan.sequence_splits,
+        dtype=dtype,
+    )
+
+
+def emulate_scalar(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    causal: bool,
+    dtype: npt.DTypeLike = np.float32,
+) -> np.ndarray:
+    """``kernels/scalar_online.cu``: the same online update, one key at a time, no splits."""
+    n = np.asarray(q).shape[-2]
+    return emulate_online(q, k, v, causal, tile_size=1, keys_per_split=n, dtype=dtype)
