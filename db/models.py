@@ -1,0 +1,256 @@
+"""Tables of the plan registry (SQLAlchemy 2.x typed declarative models).
+
+Four tables: ``environments`` and ``problems`` (one row per identity, unique),
+``plans`` (every recorded plan, kept as history) and ``best_plans`` (the best
+pointer per problem x environment; its primary key makes ``best()`` one
+indexed lookup). The schema is created and changed only by the Alembic
+migrations in ``db/migrations/versions``; a test checks that these models and
+the migrations' result agree.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    select,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from tuner.environment import Environment
+from tuner.problem import Problem
+
+# Deterministic constraint names: SQLite's batch migrations recreate tables and
+# can only drop or re-create a constraint they can name.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+_U64_SPAN = 1 << 64
+_I64_MAX = (1 << 63) - 1
+
+
+class UnsignedBigInteger(TypeDecorator[int]):
+    """A u64 in a signed 64-bit column, by two's complement reinterpretation.
+
+    The planner's traffic figures use saturating u64 arithmetic, so
+    ``2**64 - 1`` is a legitimate value, but SQLite and PostgreSQL integers are
+    signed 64-bit. Reinterpreting keeps every u64 exact (ordering in SQL is not
+    needed for these columns).
+    """
+
+    impl = BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: int | None, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        if not 0 <= value < _U64_SPAN:
+            raise ValueError(f"{value} is not an unsigned 64-bit integer")
+        return value - _U64_SPAN if value > _I64_MAX else value
+
+    def process_result_value(self, value: int | None, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        return value + _U64_SPAN if value < 0 else value
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in, aware UTC datetimes out.
+
+    SQLite has no time zones; storing naive UTC and re-attaching UTC on the way
+    out makes every backend return the same value that was written.
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("created_at must be timezone-aware (UTC)")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class EnvironmentRow(Base):
+    """Where plans were tuned; one row per distinct GPU + toolchain identity."""
+
+    __tablename__ = "environments"
+    __table_args__ = (
+        UniqueConstraint(
+            "gpu_name",
+            "compute_capability",
+            "sm_count",
+            "driver_version",
+            "cuda_version",
+            "nvcc_version",
+            "pycuda_version",
+            name="uq_environments_identity",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpu_name: Mapped[str] = mapped_column(String(128))
+    compute_capability: Mapped[str] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    driver_version: Mapped[str] = mapped_column(String(64))
+    cuda_version: Mapped[str] = mapped_column(String(64))
+    nvcc_version: Mapped[str] = mapped_column(String(64))
+    # Added by revision 0002; rows from 0001 databases get "" (unknown).
+    pycuda_version: Mapped[str] = mapped_column(String(64), server_default="")
+
+    @staticmethod
+    def identity(environment: Environment) -> tuple:
+        """WHERE terms matching ``environment`` exactly (the unique key)."""
+        return (
+            EnvironmentRow.gpu_name == environment.gpu_name,
+            EnvironmentRow.compute_capability == environment.compute_capability,
+            EnvironmentRow.sm_count == environment.sm_count,
+            EnvironmentRow.driver_version == environment.driver_version,
+            EnvironmentRow.cuda_version == environment.cuda_version,
+            EnvironmentRow.nvcc_version == environment.nvcc_version,
+            EnvironmentRow.pycuda_version == environment.pycuda_version,
+        )
+
+    @classmethod
+    def find(cls, session: Session, environment: Environment) -> EnvironmentRow | None:
+        return session.scalars(select(cls).where(*cls.identity(environment))).one_or_none()
+
+    @classmethod
+    def from_environment(cls, environment: Environment) -> EnvironmentRow:
+        return cls(**environment.as_dict())
+
+    def to_environment(self) -> Environment:
+        return Environment(
+            gpu_name=self.gpu_name,
+            compute_capability=self.compute_capability,
+            sm_count=self.sm_count,
+            driver_version=self.driver_version,
+            cuda_version=self.cuda_version,
+            nvcc_version=self.nvcc_version,
+            pycuda_version=self.pycuda_version,
+        )
+
+
+class ProblemRow(Base):
+    """One attention shape; one row per distinct shape."""
+
+    __tablename__ = "problems"
+    # Column order puts (head_dim, dtype, causal) first so that the same unique
+    # index serves both the exact lookup and the nearest-shape candidates.
+    __table_args__ = (
+        UniqueConstraint(
+            "head_dim", "dtype", "causal", "seq_len", "batch", "heads", name="uq_problems_shape"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq_len: Mapped[int] = mapped_column(Integer)
+    head_dim: Mapped[int] = mapped_column(Integer)
+    batch: Mapped[int] = mapped_column(Integer)
+    heads: Mapped[int] = mapped_column(Integer)
+    causal: Mapped[bool] = mapped_column(Boolean)
+    dtype: Mapped[str] = mapped_column(String(16))
+
+    @staticmethod
+    def identity(problem: Problem) -> tuple:
+        return (
+            ProblemRow.head_dim == problem.head_dim,
+            ProblemRow.dtype == problem.dtype,
+            ProblemRow.causal == problem.causal,
+            ProblemRow.seq_len == problem.seq_len,
+            ProblemRow.batch == problem.batch,
+            ProblemRow.heads == problem.heads,
+        )
+
+    @classmethod
+    def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
+        return session.scalars(select(cls).where(*cls.identity(problem))).one_or_none()
+
+    @classmethod
+    def from_problem(cls, problem: Problem) -> ProblemRow:
+        return cls(
+            seq_len=problem.seq_len,
+            head_dim=problem.head_dim,
+            batch=problem.batch,
+            heads=problem.heads,
+            causal=problem.causal,
+            dtype=problem.dtype,
+        )
+
+    def to_problem(self) -> Problem:
+        return Problem(
+            seq_len=self.seq_len,
+            head_dim=self.head_dim,
+            batch=self.batch,
+            heads=self.heads,
+            causal=self.causal,
+            dtype=self.dtype,
+        )
+
+
+class PlanRow(Base):
+    """One recorded plan and its evidence. Never updated or deleted: history."""
+
+    __tablename__ = "plans"
+    __table_args__ = (
+        # Serves "the fastest current measured plan of this problem x environment",
+        # the query used when the best pointer's kernel source has gone stale.
+        Index("ix_plans_lookup", "problem_id", "environment_id", "measured", "median_ms"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"))
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
+    family: Mapped[str] = mapped_column(String(64))
+    params_json: Mapped[str] = mapped_column("params", Text)
+    source_hash: Mapped[str] = mapped_column(String(128))
+    measured: Mapped[bool] = mapped_column(Boolean)
+    median_ms: Mapped[float | None] = mapped_column(Double)
+    spread_ms: Mapped[float | None] = mapped_column(Double)
+    tflops: Mapped[float | None] = mapped_column(Double)
+    gbps: Mapped[float | None] = mapped_column(Double)
+    max_abs_error: Mapped[float | None] = mapped_column(Double)
+    predicted_ms: Mapped[float | None] = mapped_column(Double)
+    predicted_read_bytes: Mapped[int | None] = mapped_column(UnsignedBigInteger)
+    predicted_write_bytes: Mapped[int | None] = mapped_column(UnsignedBigInteger)
+    study_name: Mapped[str | None] = mapped_column(String(256))
+    trial_number: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class BestPlanRow(Base):
+    """The best pointer: which plan is served for a problem x environment."""
+
+    __tablename__ = "best_plans"
+
+    problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"), primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"), primary_key=True)
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"))

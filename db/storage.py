@@ -1,0 +1,198 @@
+"""Engines and transactions for the registry: where the database lives and how it is opened.
+
+SQLite (the default) gets:
+
+* WAL journal (readers never block the writer and vice versa) and
+  ``synchronous=NORMAL`` (atomic and consistent after a crash; the last
+  commits may be lost on power failure, acceptable for re-runnable tuning);
+* a 30 s busy timeout, so concurrent writers queue instead of failing;
+* ``foreign_keys=ON`` on every connection;
+* transaction control taken away from the sqlite3 driver (whose legacy mode
+  does not BEGIN before SELECTs) and done by SQLAlchemy's ``begin`` event, as
+  SQLAlchemy 2.1's SQLite dialect docs show. Write sessions emit
+  ``BEGIN IMMEDIATE``: they take the write lock before their first read, so
+  "keep the better plan" is decided on data no other writer can change, and a
+  lock conflict waits in the busy handler instead of failing mid-transaction;
+* read-only handles opened through a ``file:...?mode=ro`` URI, so SQLite
+  itself refuses writes and never creates a missing file.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from urllib.parse import quote
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from tuner.errors import RegistryError
+
+DEFAULT_URL = "sqlite:///db/plans.sqlite"
+BUSY_TIMEOUT_S = 30.0
+
+# Connection execution options read by the ``begin`` hook.
+BEGIN_MODE_OPTION = "registry_sqlite_begin"  # "DEFERRED" (reads) or "IMMEDIATE" (writes)
+FOREIGN_KEYS_OFF_OPTION = "registry_sqlite_foreign_keys_off"  # migrations only
+
+_NOT_A_DATABASE = ("file is not a database", "malformed", "not a database", "corrupt")
+
+
+def parse_url(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError as e:
+        raise RegistryError(f"invalid registry URL {url!r}: {one_line(e)}") from e
+
+
+def describe(url: URL) -> str:
+    """The URL as safe to print (password hidden)."""
+    return url.render_as_string(hide_password=True)
+
+
+def one_line(error: BaseException) -> str:
+    """The driver's own message, on one line (SQLAlchemy appends SQL and links)."""
+    source = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    text = " ".join(str(source).split())
+    return text or type(source).__name__
+
+
+def is_sqlite(url: URL) -> bool:
+    return url.get_backend_name() == "sqlite"
+
+
+def sqlite_file(url: URL) -> Path | None:
+    """The database file of a SQLite URL; None for an in-memory database."""
+    database = url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def create_registry_engine(url: URL, *, readonly: bool) -> Engine:
+    """An engine for ``url``, checking the file system first for SQLite."""
+    try:
+        if not is_sqlite(url):
+            return create_engine(url, pool_pre_ping=True)
+        path = sqlite_file(url)
+        if readonly and path is not None:
+            engine = _sqlite_readonly_engine(url, path)
+        else:
+            if path is not None:
+                _prepare_writable_file(path)
+            engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
+    except NoSuchModuleError as e:
+        raise RegistryError(
+            f"no database driver for {describe(url)} (for PostgreSQL install the 'postgres' extra)"
+        ) from e
+    except (ArgumentError, ImportError) as e:
+        raise RegistryError(f"cannot use registry URL {describe(url)}: {one_line(e)}") from e
+    _install_sqlite_hooks(engine, writer=not readonly)
+    return engine
+
+
+def _prepare_writable_file(path: Path) -> None:
+    if path.is_dir():
+        raise RegistryError(f"registry path {path} is a directory, not a database file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RegistryError(
+            f"cannot create directory {path.parent} for the plan registry: {e.strerror or e}"
+        ) from e
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        raise RegistryError(f"{target} is not writable; open the registry read-only instead")
+
+
+def _sqlite_readonly_engine(url: URL, path: Path) -> Engine:
+    if not path.is_file():
+        where = "directory" if path.is_dir() else "file"
+        missing = "is a directory" if path.is_dir() else "does not exist"
+        raise RegistryError(
+            f"no plan registry at {path}: the {where} {missing} (a read-only open creates nothing)"
+        )
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+
+    def connect() -> sqlite3.Connection:
+        return sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+
+    # The creator bypasses URL parsing of the path, so odd characters need no escaping rules.
+    return create_engine("sqlite://", creator=connect)
+
+
+def _install_sqlite_hooks(engine: Engine, *, writer: bool) -> None:
+    if engine.dialect.name != "sqlite":
+        return
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: sqlite3.Connection, _record: object) -> None:
+        # None = driver autocommit: it never emits BEGIN; our "begin" hook does.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            if writer:
+                # journal_mode is persistent in the file; readers inherit WAL from it.
+                cursor.execute("PRAGMA journal_mode = WAL")
+                cursor.execute("PRAGMA synchronous = NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        options = connection.get_execution_options()
+        if options.get(FOREIGN_KEYS_OFF_OPTION):
+            # Must precede BEGIN: the pragma is a no-op inside a transaction.
+            connection.exec_driver_sql("PRAGMA foreign_keys = OFF")
+        connection.exec_driver_sql(f"BEGIN {options.get(BEGIN_MODE_OPTION, 'DEFERRED')}")
+
+
+def registry_error(error: BaseException, label: str) -> RegistryError:
+    """One clear line for a database error; the caller chains it with ``from``."""
+    detail = one_line(error)
+    lowered = detail.lower()
+    if any(marker in lowered for marker in _NOT_A_DATABASE):
+        return RegistryError(f"{label} is not a readable plan registry database ({detail})")
+    if "database is locked" in lowered:
+        return RegistryError(
+            f"registry {label} stayed locked by another writer for over "
+            f"{BUSY_TIMEOUT_S:.0f} s ({detail})"
+        )
+    if "readonly database" in lowered or "read-only" in lowered:
+        return RegistryError(f"registry {label} is read-only here ({detail})")
+    return RegistryError(f"registry {label}: {detail}")
+
+
+@contextmanager
+def session_scope(engine: Engine, label: str, *, write: bool) -> Iterator[Session]:
+    """A session that commits on success and rolls back on any error.
+
+    Database errors leave as ``RegistryError`` chained to their cause.
+    """
+    options = {BEGIN_MODE_OPTION: "IMMEDIATE" if write else "DEFERRED"}
+    session = Session(engine, execution_options=options, expire_on_commit=False)
+    try:
+        yield session
+        session.commit()
+    except SQLAlchemyError as e:
+        _rollback_quietly(session)
+        raise registry_error(e, label) from e
+    except BaseException:
+        _rollback_quietly(session)
+        raise
+    finally:
+        session.close()
+
+
+def _rollback_quietly(session: Session) -> None:
+    # The error being raised is the one worth reporting; a failed rollback on a
+    # broken connection would only hide it.
+    with suppress(SQLAlchemyError):
+        session.rollback()
