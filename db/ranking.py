@@ -1,0 +1,82 @@
+"""Which plan wins, and which tuned shape is nearest: the registry's rules, pure.
+
+Plan order (used both when recording and when serving):
+
+1. measured with a current kernel source  (tier 2)
+2. measured under a stale source          (tier 1; its timing is for an old kernel)
+3. predicted by the cost model            (tier 0)
+
+and within a tier the lower time (``PlanRecord.ranking_ms``) wins; a tie keeps
+the plan already there. A plan is *stale* when it was measured and the caller's
+``source_hashes`` maps its family to a different hash. Families missing from
+``source_hashes`` (or no mapping at all) count as current: without the hash
+there is nothing to judge by.
+
+Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
+share head_dim, dtype and causal with the asked problem. They are ordered by
+
+1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len,
+2. |log2(batch*heads / asked batch*heads)|, ties to the larger,
+3. batch, then heads (only so that the answer is deterministic).
+
+A larger shape wins ties because its plan was tuned with at least as much work
+per launch, which over-provisions parallelism rather than starving it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from db.records import PlanRecord
+from tuner.problem import Problem
+
+TIER_MEASURED = 2
+TIER_STALE = 1
+TIER_PREDICTED = 0
+
+
+def is_stale(record: PlanRecord, source_hashes: Mapping[str, str] | None) -> bool:
+    if not record.measured or not source_hashes:
+        return False
+    current = source_hashes.get(record.family)
+    return current is not None and current != record.source_hash
+
+
+def tier(record: PlanRecord, source_hashes: Mapping[str, str] | None) -> int:
+    if not record.measured:
+        return TIER_PREDICTED
+    return TIER_STALE if is_stale(record, source_hashes) else TIER_MEASURED
+
+
+def plan_rank(record: PlanRecord, source_hashes: Mapping[str, str] | None) -> tuple[int, float]:
+    """Larger is better."""
+    return tier(record, source_hashes), -record.ranking_ms
+
+
+def beats(
+    challenger: PlanRecord, incumbent: PlanRecord, source_hashes: Mapping[str, str] | None
+) -> bool:
+    """Whether ``challenger`` should replace ``incumbent`` as the best plan."""
+    return plan_rank(challenger, source_hashes) > plan_rank(incumbent, source_hashes)
+
+
+def shape_distance(asked: Problem, candidate: Problem) -> tuple[float, int, float, int, int, int]:
+    """Sort key of a candidate shape; smaller is nearer. See the module doc."""
+    return (
+        abs(math.log2(candidate.seq_len / asked.seq_len)),
+        -candidate.seq_len,
+        abs(math.log2(candidate.batch_heads / asked.batch_heads)),
+        -candidate.batch_heads,
+        candidate.batch,
+        candidate.heads,
+    )
+
+
+def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
+    """Whether a plan tuned for ``candidate`` may stand in for ``asked``."""
+    return (
+        candidate.head_dim == asked.head_dim
+        and candidate.dtype == asked.dtype
+        and candidate.causal == asked.causal
+    )
