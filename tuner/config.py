@@ -1,0 +1,522 @@
+"""Typed configuration: the dataclass schemas Hydra composes into.
+
+``conf/`` holds the YAML that builds on these schemas; ``tuner.__main__``
+converts the composed config with ``OmegaConf.to_object`` once, validates it
+with ``validate``, and the rest of the code sees only these dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tuner.device import DeviceProfile
+from tuner.errors import ConfigError
+from tuner.planner.errors import PlanError
+from tuner.planner.fixed_width import U32_MAX
+from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
+from tuner.planner.tunable import FAMILIES
+from tuner.problem import SUPPORTED_DTYPES, Problem
+
+
+@dataclass
+class SearchConfig:
+    #: "tpe" (default), "random" or "grid"
+    sampler: str = "tpe"
+    #: trials to finish in this study (a resumed study counts the finished ones)
+    n_trials: int = 40
+    #: wall-clock limit of the whole search in seconds; null for none
+    timeout_s: float | None = None
+    seed: int = 0
+    #: Optuna storage URL; null: a SQLite file next to the registry's
+    storage: str | None = None
+    #: null: derived from the problem and the environment
+    study_name: str | None = None
+    #: the cost model's best predictions measured first
+    enqueue_top: int = 8
+    #: skip plans whose predicted traffic exceeds this multiple of the best candidate's
+    traffic_cutoff: float = 16.0
+    #: a single measurement (compile + launch + check + time) past this is a TIMEOUT
+    trial_timeout_s: float = 120.0
+    families: list[str] = field(default_factory=lambda: ["scalar_online", "tiled"])
+    tile_sizes: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
+    rows_per_block: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
+    tiled_threads: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    scalar_threads: list[int] = field(default_factory=lambda: [64, 128, 256])
+    split_targets: list[int] = field(default_factory=lambda: [2**k for k in range(17)])
+
+
+@dataclass
+class BackendConfig:
+    #: "auto" (pycuda when a CUDA device answers, else model), "pycuda", "model", "replay"
+    name: str = "auto"
+    #: JSON file of recorded timings, for name=replay
+    replay_path: str | None = None
+    #: timed repetitions per candidate (median and interquartile range reported)
+    repetitions: int = 30
+    warmup: int = 3
+    flush_l2: bool = True
+    #: compiled cubins, keyed by family, constants, source hash and nvcc version
+    cache_dir: str = "~/.cache/flash-attention-tuner/cubins"
+    #: run each GPU measurement in a worker process that a crash cannot take down
+    isolate: bool = True
+    #: parallel nvcc processes when precompiling the space; 0 = CPU count
+    compile_jobs: int = 0
+
+
+@dataclass
+class RegistryConfig:
+    url: str = "sqlite:///db/plans.sqlite"
+
+
+@dataclass
+class DeviceConfig:
+    """Named limits of the GPU the planner plans for when none answers (see tuner.device)."""
+
+    profile: str = "h200"
+    name: str = "NVIDIA H200"
+    compute_capability: list[int] = field(default_factory=lambda: [9, 0])
+    sm_count: int = 132
+    max_threads_per_block: int = 1024
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+    max_shared_memory_per_block_optin: int = 232448
+    shared_memory_per_sm: int = 233472
+    reserved_shared_memory_per_block: int = 1024
+    registers_per_sm: int = 65536
+    registers_per_block: int = 65536
+    max_registers_per_thread: int = 255
+    register_allocation_unit: int = 256
+    warp_size: int = 32
+    l2_bytes: int = 62914560
+    peak_fp32_tflops: float = 67.0
+    dram_bandwidth_gbps: float = 4300.0
+    shared_bandwidth_bytes_per_clock_per_sm: int = 128
+    clock_ghz: float = 1.98
+
+
+@dataclass
+class TunerConfig:
+    seq_len: Any = MISSING
+    head_dim: Any = MISSING
+    batch: Any = 1
+    heads: Any = 1
+    causal: Any = False
+    dtype: Any = "float32"
+    #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
+    mode: str = "tune"
+    #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
+    plan_rows: int = 20
+    search: SearchConfig = field(default_factory=SearchConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore, where ``conf/`` builds on them.
+
+    ``conf/config.yaml`` starts from ``base_config`` and each group option from
+    its group's ``base_*`` schema, so Hydra type-checks YAML and overrides alike.
+    Called on import: every composer of ``conf/`` imports this module first.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=TunerConfig)
+    store.store(group="search", name="base_search", node=SearchConfig)
+    store.store(group="backend", name="base_backend", node=BackendConfig)
+    store.store(group="registry", name="base_registry", node=RegistryConfig)
+    store.store(group="device", name="base_device", node=DeviceConfig)
+
+
+register_configs()
+
+
+# --- What each key accepts -------------------------------------------------------------------
+# One table serves the checks below and the messages for values Hydra itself rejects
+# (a typed field given text), so a key's error reads the same whichever layer catches it.
+
+MODES = ("tune", "plan")
+SAMPLERS = ("tpe", "random", "grid")
+BACKENDS = ("auto", "pycuda", "model", "replay")
+SECTIONS: dict[str, type] = {
+    "search": SearchConfig,
+    "backend": BackendConfig,
+    "registry": RegistryConfig,
+    "device": DeviceConfig,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """The values one key accepts, in words (for messages) and as a test."""
+
+    allowed: str
+    accepts: Callable[[Any], bool]
+
+
+def _is_int(value: Any) -> bool:
+    # YAML's true/false are Python bools, which are ints: never a count or a size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _int_in(low: int, high: int | None = None) -> Rule:
+    allowed = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+    return Rule(allowed, lambda v: _is_int(v) and v >= low and (high is None or v <= high))
+
+
+def _number_above(low: float, *, optional: bool = False) -> Rule:
+    allowed = f"a number > {low:g}" + (" or null" if optional else "")
+    return Rule(allowed, lambda v: (optional and v is None) or (_is_number(v) and v > low))
+
+
+def _number_at_least(low: float) -> Rule:
+    return Rule(f"a number >= {low:g}", lambda v: _is_number(v) and v >= low)
+
+
+def _one_of(options: Sequence[str]) -> Rule:
+    return Rule(f"one of {', '.join(options)}", lambda v: isinstance(v, str) and v in options)
+
+
+def _text(*, optional: bool = False) -> Rule:
+    allowed = "a non-empty string" + (" or null" if optional else "")
+    return Rule(allowed, lambda v: (optional and v is None) or (isinstance(v, str) and v != ""))
+
+
+def _url(*, optional: bool = False) -> Rule:
+    allowed = "a SQLAlchemy URL such as sqlite:///db/plans.sqlite" + (
+        " or null" if optional else ""
+    )
+    return Rule(allowed, lambda v: (optional and v is None) or _is_url(v))
+
+
+def _is_url(value: Any) -> bool:
+    # Only the syntax: whether the database answers is the registry's and the study's business.
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    if not isinstance(value, str):
+        return False
+    try:
+        make_url(value)
+    except ArgumentError:
+        return False
+    return True
+
+
+def _int_list() -> Rule:
+    return Rule(
+        "a non-empty list of integers >= 1",
+        lambda v: isinstance(v, list) and bool(v) and all(_is_int(x) and x >= 1 for x in v),
+    )
+
+
+def _subset_of(options: Sequence[str]) -> Rule:
+    return Rule(
+        f"a non-empty list drawn from {', '.join(options)}",
+        lambda v: isinstance(v, list) and bool(v) and all(x in options for x in v),
+    )
+
+
+_BOOL = Rule("true or false", lambda v: isinstance(v, bool))
+_SHAPE_KEYS = ("seq_len", "head_dim", "batch", "heads", "causal", "dtype")
+_AXIS_KEYS = (
+    "families",
+    "tile_sizes",
+    "rows_per_block",
+    "tiled_threads",
+    "scalar_threads",
+    "split_targets",
+)
+
+RULES: dict[str, Rule] = {
+    # The kernels index with u32, so no dimension may exceed its maximum.
+    "seq_len": _int_in(1, U32_MAX),
+    "head_dim": _int_in(1, U32_MAX),
+    "batch": _int_in(1, U32_MAX),
+    "heads": _int_in(1, U32_MAX),
+    "causal": _BOOL,
+    "dtype": _one_of(SUPPORTED_DTYPES),
+    "mode": _one_of(MODES),
+    "plan_rows": _int_in(0),
+    "search.sampler": _one_of(SAMPLERS),
+    "search.n_trials": _int_in(1),
+    "search.timeout_s": _number_above(0, optional=True),
+    # numpy's and Optuna's samplers take seeds in 0..2**32-1.
+    "search.seed": _int_in(0, U32_MAX),
+    "search.storage": _url(optional=True),
+    "search.study_name": _text(optional=True),
+    "search.enqueue_top": _int_in(0),
+    # Below 1 the cut-off would discard the best candidate itself.
+    "search.traffic_cutoff": _number_at_least(1),
+    "search.trial_timeout_s": _number_above(0),
+    "search.families": _subset_of(FAMILIES),
+    "search.tile_sizes": _int_list(),
+    "search.rows_per_block": _int_list(),
+    "search.tiled_threads": _int_list(),
+    "search.scalar_threads": _int_list(),
+    "search.split_targets": _int_list(),
+    "backend.name": _one_of(BACKENDS),
+    "backend.replay_path": _text(optional=True),
+    "backend.repetitions": _int_in(1),
+    "backend.warmup": _int_in(0),
+    "backend.flush_l2": _BOOL,
+    "backend.cache_dir": _text(),
+    "backend.isolate": _BOOL,
+    "backend.compile_jobs": _int_in(0),
+    "registry.url": _url(),
+    "device.profile": _text(),
+    "device.name": _text(),
+    "device.compute_capability": Rule(
+        "[major, minor], two integers >= 0",
+        lambda v: isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x >= 0 for x in v),
+    ),
+    # A device may reserve no shared memory per block; every other limit is a positive count.
+    "device.reserved_shared_memory_per_block": _int_in(0),
+    **{
+        f"device.{f.name}": _int_in(1) if f.type == "int" else _number_above(0)
+        for f in fields(DeviceConfig)
+        if f.type in ("int", "float") and f.name != "reserved_shared_memory_per_block"
+    },
+}
+
+
+def allowed_values(key: str) -> str | None:
+    """What ``key`` (dotted; a list element's ``[i]`` ignored) accepts, or None if no such key."""
+    rule = RULES.get(_without_index(key))
+    return rule.allowed if rule else None
+
+
+def _without_index(key: str) -> str:
+    return re.sub(r"(\[\d+\])+$", "", key)
+
+
+def format_value(value: Any) -> str:
+    """A value as it would be written on the command line (``true``, ``null``, ``[1, 2]``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value if value else "''"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(item) for item in value) + "]"
+    return str(value)
+
+
+def invalid_message(key: str, value_text: str) -> str:
+    allowed = allowed_values(key)
+    return f"{_without_index(key)}={value_text} is invalid: must be {allowed}"
+
+
+def unknown_key_message(key: str, value_text: str) -> str:
+    section, _, name = key.rpartition(".")
+    if section in SECTIONS:
+        known = ", ".join(f.name for f in fields(SECTIONS[section]))
+        return f"{key}={value_text} is invalid: {section} has no key {name!r}; allowed: {known}"
+    known = ", ".join(f"{f.name}.*" if f.name in SECTIONS else f.name for f in fields(TunerConfig))
+    return f"{key}={value_text} is invalid: no such key; allowed: {known}"
+
+
+def missing_message(key: str) -> str:
+    return f"{key} is missing: give {key}=<{allowed_values(key) or 'a value'}>"
+
+
+def _check(key: str, value: Any) -> None:
+    rule = RULES[key]
+    if not rule.accepts(value):
+        raise ConfigError(invalid_message(key, format_value(value)))
+
+
+def _check_section(section: str, values: Any) -> None:
+    for f in fields(values):
+        _check(f"{section}.{f.name}", getattr(values, f.name))
+
+
+# --- From Hydra's composed config to typed, validated values ----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedConfig:
+    """A configuration every later stage can trust: checked values, and the typed views
+    of them that the planner, the search and the registry work with."""
+
+    problem: Problem
+    device: DeviceProfile
+    config: TunerConfig
+
+
+def typed_config(cfg: DictConfig) -> TunerConfig:
+    """The composed config as a ``TunerConfig``: the one ``OmegaConf.to_object`` of a run.
+
+    Raises ``ConfigError`` (one line) for keys forced in with ``+key=``, missing
+    mandatory values and interpolations that do not resolve.
+    """
+    raw = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    assert isinstance(raw, dict)
+    _reject_unknown_keys(raw)
+    try:
+        missing = OmegaConf.missing_keys(cfg)
+        if missing:
+            order = list(RULES)
+            first = min(missing, key=lambda k: order.index(k) if k in order else len(order))
+            raise ConfigError(missing_message(first))
+        config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as error:
+        # Interpolations resolve here (``seq_len=${nope}``); name the key and its text.
+        key = _without_index(getattr(error, "full_key", "") or "")
+        lines = str(error).splitlines()
+        text = lines[0] if lines else type(error).__name__
+        where = f"{key}={format_value(_lookup(raw, key))}" if key else "the configuration"
+        raise ConfigError(f"{where} is invalid: {text}") from error
+    if not isinstance(config, TunerConfig):
+        raise ConfigError(f"the configuration is a {type(config).__name__}, not a TunerConfig")
+    return config
+
+
+def _reject_unknown_keys(raw: dict[str, Any]) -> None:
+    # Struct mode stops ``foo=1``; ``+foo=1`` forces the key in, and to_object would drop
+    # or choke on it, so it is named here instead.
+    sections: list[tuple[str, type, dict[str, Any]]] = [("", TunerConfig, raw)]
+    sections += [
+        (f"{name}.", schema, raw[name])
+        for name, schema in SECTIONS.items()
+        if isinstance(raw.get(name), dict)
+    ]
+    for prefix, schema, values in sections:
+        known = {f.name for f in fields(schema)}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(unknown_key_message(f"{prefix}{key}", format_value(value)))
+
+
+def _lookup(raw: dict[str, Any], key: str) -> Any:
+    node: Any = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def problem_from(config: TunerConfig) -> Problem:
+    """The attention problem of ``config``; ``ConfigError`` names a bad shape value."""
+    for key in _SHAPE_KEYS:
+        _check(key, getattr(config, key))
+    elements = config.batch * config.heads * config.seq_len * config.head_dim
+    if elements > U32_MAX:
+        raise ConfigError(
+            f"batch*heads*seq_len*head_dim={config.batch}*{config.heads}*{config.seq_len}*"
+            f"{config.head_dim} is invalid: must be at most {U32_MAX} elements "
+            "(the kernels index each tensor with 32-bit integers)"
+        )
+    return Problem(
+        seq_len=config.seq_len,
+        head_dim=config.head_dim,
+        batch=config.batch,
+        heads=config.heads,
+        causal=config.causal,
+        dtype=config.dtype,
+    )
+
+
+def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:
+    """The planner's view of the configured device limits; ``ConfigError`` names a bad one."""
+    _check_section("device", device_config)
+    values = {
+        f.name: getattr(device_config, f.name) for f in fields(DeviceConfig) if f.name != "profile"
+    }
+    major, minor = device_config.compute_capability
+    values["compute_capability"] = (major, minor)
+    return DeviceProfile(**values)
+
+
+def space_axes_from(search_config: SearchConfig) -> SpaceAxes:
+    """The values each tunable may take, as the search settings restrict them."""
+    for name in _AXIS_KEYS:
+        _check(f"search.{name}", getattr(search_config, name))
+    return SpaceAxes(
+        tile_sizes=tuple(search_config.tile_sizes),
+        rows_per_block=tuple(search_config.rows_per_block),
+        tiled_threads=tuple(search_config.tiled_threads),
+        scalar_threads=tuple(search_config.scalar_threads),
+        split_targets=tuple(search_config.split_targets),
+        families=tuple(search_config.families),
+    )
+
+
+def validate(config: TunerConfig) -> ValidatedConfig:
+    """Check every value of ``config`` before anything is planned, built or written.
+
+    Raises ``ConfigError`` whose message is one line naming the key, the value
+    given and what is allowed; also when no candidate plan is feasible at all,
+    since a search over an empty space could only fail later and less clearly.
+    """
+    problem = problem_from(config)
+    for key in ("mode", "plan_rows"):
+        _check(key, getattr(config, key))
+    _check_section("search", config.search)
+    _check_section("backend", config.backend)
+    _check_section("registry", config.registry)
+    if config.backend.name == "replay" and config.backend.replay_path is None:
+        raise ConfigError(
+            "backend.replay_path=null is invalid: backend=replay needs the JSON file of "
+            "recorded timings (backend.replay_path=<file>)"
+        )
+    device = device_profile_from(config.device)
+    _require_feasible_plan(problem, device, space_axes_from(config.search))
+    return ValidatedConfig(problem=problem, device=device, config=config)
+
+
+def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceAxes) -> None:
+    shape = (
+        f"seq_len={problem.seq_len} head_dim={problem.head_dim} (batch={problem.batch} "
+        f"heads={problem.heads} causal={format_value(problem.causal)})"
+    )
+    try:
+        space = candidate_space(problem, device, axes)
+    except PlanError as error:
+        raise ConfigError(f"{shape} is invalid: cannot be planned: {error}") from error
+    if space.feasible:
+        return
+    summary = rejection_summary(space)
+    example = f"; most often: {summary[0].example}" if summary else ""
+    raise ConfigError(
+        f"{shape} is invalid: no candidate plan is feasible on {device.name} "
+        f"(all {len(space.rejected)} rejected{example})"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RejectionKind:
+    """One kind of reason candidates were rejected for, with one reason in full."""
+
+    kind: str
+    count: int
+    example: str
+
+
+def rejection_summary(space: CandidateSpace) -> list[RejectionKind]:
+    """``space.rejection_counts()``, commonest first, each with an example reason.
+
+    The planner's kinds strip numbers (so ``tile_size=128`` vanishes); the example
+    keeps them. It is found by the same grouping as ``rejection_counts``, applied
+    per plan, so the two cannot disagree.
+    """
+    examples: dict[str, str] = {}
+    for plan in space.rejected:
+        (kind,) = CandidateSpace(feasible=(), rejected=(plan,)).rejection_counts()
+        examples.setdefault(kind, plan.reason)
+    return [
+        RejectionKind(kind, count, examples.get(kind, kind))
+        for kind, count in space.rejection_counts().most_common()
+    ]
