@@ -1,0 +1,160 @@
+"""Command-line entry: ``python -m tuner seq_len=4096 head_dim=128 [key=value ...]``.
+
+Any error the user can fix is printed as one line, ``error: <message>``, on
+stderr, and the run exits with status 1, writing nothing. There are
+three sources of such errors:
+
+* Hydra's composition of ``conf/`` (unknown key, unknown group option, a value
+  a typed field cannot take, a malformed override). Hydra's ``run_and_report``
+  would print these over several lines with a hint about ``HYDRA_FULL_ERROR``;
+  with that variable set to 1 it re-raises them instead, so ``main`` sets it
+  for the duration of the run, catches them and renders them here.
+* ``tuner.config`` (missing value, value out of range, no feasible plan).
+* ``TunerError`` from the tune run itself (unreachable registry, ...).
+
+The last two are caught inside the job, so a multirun sweep goes on with its
+other jobs; the exit status is the worst of all jobs run in this process.
+Set ``HYDRA_FULL_ERROR=1`` yourself to get tracebacks instead of one-liners.
+Errors that are bugs (anything else) keep their traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+import hydra
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from tuner.config import (
+    ValidatedConfig,
+    allowed_values,
+    format_value,
+    invalid_message,
+    typed_config,
+    unknown_key_message,
+    validate,
+)
+from tuner.dry_run import print_plan_space
+from tuner.errors import TunerError
+
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+#: exit status of each job this process ran (several under ``--multirun``)
+_job_statuses: list[int] = []
+#: the user asked for tracebacks (HYDRA_FULL_ERROR=1 before we set it)
+_tracebacks_wanted = False
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def run_job(cfg: DictConfig) -> int:
+    """One Hydra job: validate the composed config, then plan or tune."""
+    try:
+        status = dispatch(validate(typed_config(cfg)))
+    except TunerError as error:
+        if _tracebacks_wanted:
+            raise
+        report(str(error))
+        status = 1
+    _job_statuses.append(status)
+    return status
+
+
+def dispatch(validated: ValidatedConfig) -> int:
+    if validated.config.mode == "plan":
+        print_plan_space(validated)
+        return 0
+    # Imported here: the tune run pulls in Optuna, the database and the backends,
+    # none of which validation or plan mode needs.
+    from tuner.app import run
+
+    return run(validated)
+
+
+def report(message: str) -> None:
+    """Print ``message`` as the one ``error:`` line on stderr, whatever it contains."""
+    line = " ".join(message.split()) or "unknown error"
+    print(f"error: {line}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    global _tracebacks_wanted
+    _job_statuses.clear()
+    previous = os.environ.get(_FULL_ERROR)
+    _tracebacks_wanted = previous == "1"
+    os.environ[_FULL_ERROR] = "1"
+    try:
+        run_job()
+    except (HydraException, OmegaConfBaseException) as error:
+        if _tracebacks_wanted:
+            raise
+        report(describe_composition_error(error, sys.argv[1:]))
+        return 1
+    except KeyboardInterrupt:
+        report("interrupted")
+        return 130
+    finally:
+        if previous is None:
+            os.environ.pop(_FULL_ERROR, None)
+        else:
+            os.environ[_FULL_ERROR] = previous
+    return max(_job_statuses, default=0)
+
+
+def describe_composition_error(error: Exception, arguments: Sequence[str]) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing the config.
+
+    ``arguments`` are the command-line arguments, searched for the text the user
+    gave for the key at fault (Hydra's exceptions carry the key, not always the value).
+    """
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file:
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        # base_* are the schemas the options build on, not options to pick.
+        options = [o for o in error.options or [] if not o.startswith("base_")]
+        if group and options:
+            return (
+                f"{group}={option} is invalid: no such {group} option; "
+                f"allowed: {', '.join(options)}"
+            )
+        return _first_line(error)
+    if isinstance(error, OverrideParseException):
+        return f"{error.override} is not a valid override: {_first_line(error.message)}"
+    cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+    full_key = getattr(cause, "full_key", None)
+    if not isinstance(cause, OmegaConfBaseException) or not full_key:
+        return _first_line(error)
+    key = re.sub(r"(\[\d+\])+$", "", full_key)
+    given = _given_values(arguments)
+    value = getattr(cause, "value", None)
+    # A list element's value alone would misquote the list the user wrote.
+    if key != full_key or value is None:
+        text = given.get(key, format_value(value))
+    else:
+        text = format_value(value)
+    if allowed_values(key) is None:
+        return unknown_key_message(key, text)
+    return invalid_message(key, text)
+
+
+def _given_values(arguments: Sequence[str]) -> dict[str, str]:
+    """``key -> value text`` of the ``key=value`` overrides among ``arguments``."""
+    given: dict[str, str] = {}
+    for argument in arguments:
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        key, _, value = argument.partition("=")
+        key = key.lstrip("+~").split("@")[0]
+        given[key] = value
+    return given
+
+
+def _first_line(error: object) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``mode=plan``: print the candidate space of a problem without a GPU or a database.
+
+Shows what the search would explore: the problem, the device limits planned
+against, the best feasible candidates by predicted global-memory traffic (the
+quantity the planner models exactly; every kernel here is bandwidth-bound at
+scale) and how many candidates were rejected for which reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tuner.config import ValidatedConfig, format_value, rejection_summary, space_axes_from
+from tuner.device import DeviceProfile
+from tuner.planner.space import candidate_space
+from tuner.planner.tunable import KernelPlan
+from tuner.problem import Problem
+
+_KIB = 1024
+_MB = 1e6
+_HEADERS = (
+    "rank",
+    "key",
+    "grid",
+    "block",
+    "shared KiB",
+    "blocks/SM",
+    "occupancy",
+    "waves",
+    "read MB",
+    "write MB",
+    "GFLOP",
+)
+
+
+def print_plan_space(validated: ValidatedConfig) -> None:
+    """Print the candidate space of ``validated`` to stdout."""
+    problem, device, config = validated.problem, validated.device, validated.config
+    space = candidate_space(problem, device, space_axes_from(config.search))
+    ranked = rank_by_traffic(space.feasible)
+    shown = ranked[: config.plan_rows] if config.plan_rows else ranked
+    total = len(space.feasible) + len(space.rejected)
+
+    print(f"problem: {describe_problem(problem)}")
+    print(f"device:  {describe_device(device, config.device.profile)}")
+    print(
+        f"candidates: {total} distinct, {len(space.feasible)} feasible, "
+        f"{len(space.rejected)} rejected"
+    )
+    print()
+    print(
+        f"feasible: best {len(shown)} of {len(ranked)} by predicted global traffic "
+        "(plan_rows=N to change, 0 for all)"
+    )
+    print(_format_table(_HEADERS, [_row(rank, plan) for rank, plan in enumerate(shown, 1)]))
+    print()
+    print(f"rejected: {len(space.rejected)}")
+    for kind in rejection_summary(space):
+        print(f"  {kind.count:>6}  {kind.kind}  (e.g. {kind.example})")
+
+
+def rank_by_traffic(plans: Sequence[KernelPlan]) -> list[KernelPlan]:
+    """Least global traffic first; fewer waves, then the key, break ties."""
+    return sorted(plans, key=lambda plan: (plan.global_bytes, plan.waves, plan.key()))
+
+
+def describe_problem(problem: Problem) -> str:
+    return (
+        f"{problem.label()} (batch={problem.batch} heads={problem.heads} "
+        f"seq_len={problem.seq_len} head_dim={problem.head_dim} "
+        f"causal={format_value(problem.causal)} dtype={problem.dtype}); "
+        f"{problem.useful_flops / 1e9:.3g} GFLOP, {problem.tensor_bytes / _MB:.3g} MB per tensor"
+    )
+
+
+def describe_device(device: DeviceProfile, profile: str) -> str:
+    return (
+        f"{device.name} (profile {profile}, {device.arch}, {device.sm_count} SMs, "
+        f"{device.max_shared_memory_per_block_optin / _KIB:g} KiB shared/block, "
+        f"{device.max_threads_per_block} threads/block, "
+        f"{device.dram_bandwidth_gbps:g} GB/s, {device.peak_fp32_tflops:g} TFLOP/s fp32)"
+    )
+
+
+def _row(rank: int, plan: KernelPlan) -> tuple[str, ...]:
+    launch = plan.launch
+    return (
+        str(rank),
+        plan.key(),
+        "x".join(map(str, launch.grid)),
+        str(launch.threads_per_block),
+        f"{launch.shared_bytes / _KIB:.1f}",
+        str(plan.blocks_per_sm),
+        f"{plan.occupancy:.0%}",
+        f"{plan.waves:.2f}",
+        f"{plan.global_read_bytes / _MB:.1f}",
+        f"{plan.global_write_bytes / _MB:.1f}",
+        f"{(plan.matmul_flops + plan.non_matmul_flops) / 1e9:.2f}",
+    )
+
+
+def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+    # The key column reads best left-aligned; numbers right-aligned.
+    lines = []
+    for cells in (headers, *rows):
+        padded = [
+            cell.ljust(width) if index == 1 else cell.rjust(width)
+            for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
