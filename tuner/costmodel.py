@@ -1,0 +1,304 @@
+"""A roofline cost model: predicted time of a kernel plan on a device profile.
+
+Pure (stdlib + ``tuner.planner``/``device``/``problem``). The search uses it to
+rank the candidate space, to measure the best predictions first, and, without
+a GPU, as the "measurement" itself (``kernels.backends.model``), always labelled
+a prediction. It is deliberately simple; ``rank_correlation`` against real
+timings says how far to trust it.
+
+The attention kernel's time is the slowest of three throughput bounds, each
+taken against the whole device:
+
+* DRAM: the plan's global bytes (``KernelPlan.global_read_bytes`` +
+  ``global_write_bytes``, which already count K/V re-reads per block of query
+  rows) over ``dram_bandwidth_gbps``. Re-reads that hit L2 make this
+  pessimistic for small ``rows_per_block``; that is the direction we want.
+* compute: executed FFMA flops (matmul work padded to whole tiles and blocks)
+  at ``peak_fp32_tflops``, plus the other instructions: one-op instructions
+  (max, add, compare, and every shared-memory load and store) at half the
+  flop rate (one op per lane-instruction, an FFMA counts two flops), and
+  ``exp2`` on the SFU, which issues 16 per clock per SM against 128 FP32
+  lanes (CUDA C++ Programming Guide, arithmetic-instruction throughput table,
+  compute capability 9.0). The three are summed: they share the warp
+  schedulers' issue slots.
+* shared memory: bytes a warp really moves through the shared-memory banks
+  (broadcasts counted once) over ``shared_bandwidth_bytes_per_clock_per_sm``
+  x SMs x clock. For ``tiled`` per K/V tile a thread reads its
+  ``rows_per_thread`` Q rows and ``keys_per_lane`` K rows (``head_dim`` floats
+  each), writes its P scores, then reads its P rows and ``tile_size`` V rows
+  of its ``head_dim / threads_per_row`` columns; the block also stores the K
+  and V tiles. For ``scalar_online`` each attended key reads and writes the
+  thread's ``head_dim`` accumulators (the kernel keeps them in shared memory).
+
+That bound is then multiplied by a slowdown for the part of the device the
+launch leaves idle: latency hiding (``occupancy`` below
+``SATURATING_OCCUPANCY`` derates throughput linearly) and waves (the busiest
+SM's rounds of resident blocks; with latency-bound waves the tail costs
+``ceil(waves) / waves``, with less than one wave on fewer blocks than SMs the
+idle SMs cost their share; see ``_slowdown``). The split
+merge is a second, streaming launch: the partials it reads and the output it
+writes at DRAM bandwidth. Every launch adds ``LAUNCH_OVERHEAD_MS``.
+
+Monotone by construction: more bytes, more flops, lower bandwidth or clock,
+lower occupancy or an extra launch never make a plan faster (tests check).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tuner.device import DeviceProfile
+from tuner.planner.tunable import F32_BYTES, KernelPlan
+
+#: host-side cost of one kernel launch on the critical path (CUDA driver
+#: launch latency is about 3-5 us for back-to-back launches).
+LAUNCH_OVERHEAD_MS = 0.004
+#: FP32 lanes per SM over SFU (exp2, rcp) lanes per SM on sm_90: 128 / 16.
+SFU_SLOWDOWN = 8.0
+#: occupancy (resident threads / max threads per SM) from which latency is
+#: considered hidden: 16 of 64 warps, 4 per scheduler. The tiled kernel's
+#: register micro-tiles give each warp independent FMAs, so more buys little.
+SATURATING_OCCUPANCY = 0.25
+#: exp2 per attended pair: tiled computes p only; scalar also a correction per key.
+EXPS_PER_PAIR = {"tiled": 1, "scalar_online": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predicted time of one plan and the parts it is made of (milliseconds)."""
+
+    time_ms: float
+    kernel_ms: float  # the attention kernel, after derating, without launch overhead
+    merge_ms: float  # the split-merge kernel (0 without splits)
+    launch_ms: float  # launch overhead of every launch
+    dram_ms: float  # the attention kernel's bounds at full device throughput...
+    compute_ms: float
+    shared_ms: float
+    bound: str  # "dram", "compute" or "shared": the largest of the three
+    slowdown: float  # >= 1: kernel_ms / the largest bound (occupancy, tail, idle SMs)
+    latency_efficiency: float  # 0..1: throughput of an SM holding blocks_per_sm blocks
+    waves: float  # blocks / (blocks_per_sm x SMs)
+    read_bytes: int  # global traffic of the whole plan (both kernels)
+    write_bytes: int
+    executed_flops: int  # matmul flops actually executed (padding included)
+    shared_bytes: int
+
+    @property
+    def traffic_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+def predict(plan: KernelPlan, device: DeviceProfile) -> Prediction:
+    """The predicted time of ``plan`` on ``device``. ``inf`` for a plan that cannot run."""
+    partial_bytes = F32_BYTES * plan.partial_elements
+    output_bytes = plan.problem.tensor_bytes
+    # The merge reads the partials and writes the output; the attention kernel
+    # reads the rest and writes the partials (or the output without splits).
+    merge_bytes = partial_bytes + output_bytes if plan.reduce_launch is not None else 0
+    kernel_bytes = plan.global_bytes - merge_bytes
+    dram_ms = _ms(kernel_bytes, device.dram_bandwidth_gbps * 1e9)
+
+    executed = _executed_pairs(plan)
+    executed_flops = 4 * plan.problem.head_dim * plan.problem.batch_heads * executed
+    shared_bytes, shared_lane_ops = _shared_traffic(plan, executed)
+    compute_ms = _compute_ms(plan, executed, executed_flops, shared_lane_ops, device)
+
+    shared_rate = device.shared_bandwidth_bytes_per_clock_per_sm * device.sm_count
+    shared_ms = _ms(shared_bytes, shared_rate * device.clock_ghz * 1e9)
+
+    bounds = {"dram": dram_ms, "compute": compute_ms, "shared": shared_ms}
+    bound = max(bounds, key=lambda name: bounds[name])
+    slowdown, efficiency = _slowdown(plan, device)
+    kernel_ms = bounds[bound] * slowdown
+
+    merge_ms = _ms(merge_bytes, device.dram_bandwidth_gbps * 1e9)
+    launches = 1 + (plan.reduce_launch is not None)
+    launch_ms = launches * LAUNCH_OVERHEAD_MS
+    return Prediction(
+        time_ms=kernel_ms + merge_ms + launch_ms,
+        kernel_ms=kernel_ms,
+        merge_ms=merge_ms,
+        launch_ms=launch_ms,
+        dram_ms=dram_ms,
+        compute_ms=compute_ms,
+        shared_ms=shared_ms,
+        bound=bound,
+        slowdown=slowdown,
+        latency_efficiency=efficiency,
+        waves=plan.waves,
+        read_bytes=plan.global_read_bytes,
+        write_bytes=plan.global_write_bytes,
+        executed_flops=executed_flops,
+        shared_bytes=shared_bytes,
+    )
+
+
+def predict_time_ms(plan: KernelPlan, device: DeviceProfile) -> float:
+    return predict(plan, device).time_ms
+
+
+def _ms(amount: float, per_second: float) -> float:
+    return 1e3 * amount / per_second
+
+
+def _executed_pairs(plan: KernelPlan) -> int:
+    """(query, key) pairs whose scores the kernel computes, per (batch, head).
+
+    Query rows are padded to whole blocks and keys to whole tiles (masked
+    scores are computed, then discarded). Causal blocks stop at their last
+    row's tile: block ``b`` of ``R`` rows computes about ``(b + 1) R + T / 2``
+    keys; the closed form avoids a loop over blocks for long sequences.
+    """
+    n = plan.problem.seq_len
+    rows = plan.rows_per_block if plan.family == "tiled" else plan.threads
+    tile = plan.tile_size
+    row_blocks = math.ceil(n / rows)
+    padded_rows = row_blocks * rows
+    padded_keys = plan.tile_count * tile
+    if not plan.problem.causal:
+        return padded_rows * padded_keys
+    causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * tile // 2)
+    return min(causal, padded_rows * padded_keys)
+
+
+def _compute_ms(
+    plan: KernelPlan,
+    executed_pairs: int,
+    executed_flops: int,
+    shared_lane_ops: int,
+    device: DeviceProfile,
+) -> float:
+    peak = device.peak_fp32_tflops * 1e12
+    bh = plan.problem.batch_heads
+    exps = bh * executed_pairs * EXPS_PER_PAIR[plan.family]
+    if plan.family == "tiled":
+        exps += bh * plan.problem.seq_len * plan.tile_count  # the per-tile correction
+    other_ops = max(plan.non_matmul_flops - exps, 0) + shared_lane_ops
+    # An FFMA is 2 flops per lane-instruction; everything else is 1 op per instruction.
+    instruction_rate = peak / 2
+    return (
+        _ms(executed_flops, peak)
+        + _ms(other_ops, instruction_rate)
+        + _ms(exps, instruction_rate / SFU_SLOWDOWN)
+    )
+
+
+def _shared_traffic(plan: KernelPlan, executed_pairs: int) -> tuple[int, int]:
+    """(bytes through the shared-memory banks, load/store lane-instructions).
+
+    Bytes count broadcasts once per warp (that is what the banks serve); the
+    instructions count per lane, because each one takes an issue slot like an
+    FFMA does. A larger register micro-tile (``rows_per_thread`` x
+    ``keys_per_lane``) needs fewer loads per FFMA: this is what ranks the
+    thread layouts of ``tiled`` plans whose flops and traffic are equal.
+    """
+    d = plan.problem.head_dim
+    bh = plan.problem.batch_heads
+    if plan.family == "scalar_online":
+        # Per attended key a thread loads K (float4s) and V, and reads and
+        # writes each of its head_dim accumulators in shared memory.
+        shared_bytes = 2 * F32_BYTES * d * executed_pairs * bh
+        lane_ops = (d // 4 + d + 2 * d) * executed_pairs * bh
+        return shared_bytes, lane_ops
+    tile = plan.tile_size
+    lanes = plan.threads_per_row
+    rows_per_thread = plan.rows_per_thread
+    keys_per_lane = tile // lanes
+    row_groups_per_warp = 32 // lanes
+    # Per warp and tile: Q and P rows are shared by a row group's lanes, K and V
+    # rows by every row group of the warp; the P stores are all distinct.
+    q_reads = row_groups_per_warp * rows_per_thread * d
+    k_reads = tile * d
+    p_writes = 32 * rows_per_thread * keys_per_lane
+    p_reads = row_groups_per_warp * rows_per_thread * tile
+    v_reads = tile * d
+    per_warp = q_reads + k_reads + p_writes + p_reads + v_reads
+    per_block = per_warp * (plan.threads // 32) + 2 * tile * d  # + the K/V tile stores
+    # Per thread and tile, in instructions: float4 loads of Q, K, P and V
+    # columns, scalar P stores; per block the K/V tile copy (load + store).
+    per_thread = (
+        rows_per_thread * d // 4
+        + keys_per_lane * d // 4
+        + rows_per_thread * keys_per_lane
+        + rows_per_thread * tile // 4
+        + tile * d // (4 * lanes)
+    )
+    per_block_ops = per_thread * plan.threads + 2 * 2 * tile * d // 4
+    # Blocks x tiles each block visits = executed pairs / (rows_per_block x tile).
+    block_tiles = executed_pairs // (plan.rows_per_block * tile)
+    return F32_BYTES * per_block * block_tiles * bh, per_block_ops * block_tiles * bh
+
+
+def _slowdown(plan: KernelPlan, device: DeviceProfile) -> tuple[float, float]:
+    """(slowdown >= 1, latency efficiency of an SM holding ``blocks_per_sm`` blocks).
+
+    Blocks go round-robin to SMs, so the busiest SM runs ``ceil(blocks /
+    SMs)`` of them, ``blocks_per_sm`` at a time. A round of ``r`` resident
+    blocks runs at ``min(1, occupancy(r) / SATURATING_OCCUPANCY)`` of the SM's
+    throughput, so it takes ``r / efficiency(r)`` block-times. The slowdown is
+    the busiest SM's time over the time of a perfectly spread, fully efficient
+    launch. With several latency-bound waves this is the classic tail factor
+    ``ceil(waves) / waves``; a partial last wave that saturates the SM anyway
+    costs only its share, and less than a wave on fewer SMs than the device
+    has costs the idle SMs.
+    """
+    if plan.blocks_per_sm == 0:
+        return math.inf, 0.0
+    per_sm = plan.launch.blocks / device.sm_count
+    busiest = math.ceil(per_sm)
+    resident = plan.blocks_per_sm
+
+    def round_time(blocks: int) -> float:
+        occupancy = blocks * plan.threads / device.max_threads_per_sm
+        return blocks / min(1.0, occupancy / SATURATING_OCCUPANCY)
+
+    full_rounds, last_round = divmod(busiest, resident)
+    busiest_time = full_rounds * round_time(resident)
+    if last_round:
+        busiest_time += round_time(last_round)
+    return busiest_time / per_sm, resident / round_time(resident)
+
+
+def rank_correlation(
+    predictions: Sequence[float | None], measurements: Sequence[float | None]
+) -> float:
+    """Spearman's rank correlation of paired values (ties get their average rank).
+
+    Pairs where either value is missing or not finite (a failed candidate) are
+    dropped. ``nan`` when fewer than two pairs remain or one side is constant.
+    """
+    if len(predictions) != len(measurements):
+        raise ValueError(f"{len(predictions)} predictions but {len(measurements)} measurements")
+    pairs = [
+        (float(p), float(m))
+        for p, m in zip(predictions, measurements, strict=True)
+        if p is not None and m is not None and math.isfinite(p) and math.isfinite(m)
+    ]
+    if len(pairs) < 2:
+        return math.nan
+    x = _ranks([p for p, _ in pairs])
+    y = _ranks([m for _, m in pairs])
+    mean = (len(pairs) + 1) / 2
+    cov = sum((a - mean) * (b - mean) for a, b in zip(x, y, strict=True))
+    var_x = sum((a - mean) ** 2 for a in x)
+    var_y = sum((b - mean) ** 2 for b in y)
+    if var_x == 0 or var_y == 0:
+        return math.nan
+    return cov / math.sqrt(var_x * var_y)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        average = (start + end) / 2 + 1
+        for i in range(start, end + 1):
+            ranks[order[i]] = average
+        start = end + 1
+    return ranks
