@@ -19,15 +19,16 @@ from __future__ import annotations
 import sqlite3
 from contextlib import suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from db.storage import BEGIN_MODE_OPTION, FOREIGN_KEYS_OFF_OPTION, registry_error
 from tuner.errors import RegistryError
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 #: Every revision in ``db/migrations/versions``, oldest first (a test checks it).
 KNOWN_REVISIONS = ("0001", "0002")
@@ -55,6 +56,9 @@ def upgrade_command(label: str) -> str:
 
 def alembic_config() -> Config:
     """Alembic configuration pointing at the packaged migrations, whatever the cwd."""
+    # Imported here: Alembic costs ~150 ms to import and only upgrades need it.
+    from alembic.config import Config
+
     config = Config()
     # ConfigParser interpolates '%'; a path containing one must be escaped.
     config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
@@ -117,6 +121,8 @@ def upgrade(engine: Engine, label: str) -> tuple[str | None, str]:
     keys are off for that transaction and checked by ``foreign_key_check``
     before it commits.
     """
+    from alembic.util import CommandError
+
     options = {BEGIN_MODE_OPTION: "IMMEDIATE", FOREIGN_KEYS_OFF_OPTION: True}
     try:
         with engine.connect() as connection:
@@ -141,6 +147,8 @@ def upgrade(engine: Engine, label: str) -> tuple[str | None, str]:
 
 
 def _run_migrations(connection: Connection) -> None:
+    from alembic import command
+
     config = alembic_config()
     # env.py runs on this connection, inside the transaction opened above.
     config.attributes["connection"] = connection
