@@ -312,6 +312,9 @@ def format_value(value: Any) -> str:
         return value if value else "''"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(format_value(item) for item in value) + "]"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        # Typed float fields turn -5 into -5.0; quote the number as the user wrote it.
+        return str(int(value))
     return str(value)
 
 
