@@ -24,6 +24,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import hydra
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -42,6 +43,10 @@ from tuner.config import (
 from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
 
+#: ``../conf``, made absolute: Hydra resolves a relative path against the file only when this
+#: module runs as ``__main__``; imported (a console script, a test) it would look for a
+#: ``conf`` package instead.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 #: exit status of each job this process ran (several under ``--multirun``)
 _job_statuses: list[int] = []
@@ -49,7 +54,7 @@ _job_statuses: list[int] = []
 _tracebacks_wanted = False
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def run_job(cfg: DictConfig) -> int:
     """One Hydra job: validate the composed config, then plan or tune."""
     try:
