@@ -1,9 +1,9 @@
 """``mode=plan``: print the candidate space of a problem without a GPU or a database.
 
 Shows what the search would explore: the problem, the device limits planned
-against, the best feasible candidates by predicted global-memory traffic (the
-quantity the planner models exactly; every kernel here is bandwidth-bound at
-scale) and how many candidates were rejected for which reason.
+against, the feasible candidates ranked by the cost model's predicted time
+(the order the search enqueues them in) and how many candidates were rejected
+for which reason.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tuner.config import ValidatedConfig, format_value, rejection_summary, space_axes_from
+from tuner.costmodel import Prediction, predict
 from tuner.device import DeviceProfile
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
@@ -29,7 +30,8 @@ _HEADERS = (
     "waves",
     "read MB",
     "write MB",
-    "GFLOP",
+    "pred ms",
+    "bound",
 )
 
 
@@ -37,7 +39,7 @@ def print_plan_space(validated: ValidatedConfig) -> None:
     """Print the candidate space of ``validated`` to stdout."""
     problem, device, config = validated.problem, validated.device, validated.config
     space = candidate_space(problem, device, space_axes_from(config.search))
-    ranked = rank_by_traffic(space.feasible)
+    ranked = rank_by_prediction(space.feasible, device)
     shown = ranked[: config.plan_rows] if config.plan_rows else ranked
     total = len(space.feasible) + len(space.rejected)
 
@@ -49,19 +51,25 @@ def print_plan_space(validated: ValidatedConfig) -> None:
     )
     print()
     print(
-        f"feasible: best {len(shown)} of {len(ranked)} by predicted global traffic "
+        f"feasible: best {len(shown)} of {len(ranked)} by predicted time "
         "(plan_rows=N to change, 0 for all)"
     )
-    print(_format_table(_HEADERS, [_row(rank, plan) for rank, plan in enumerate(shown, 1)]))
+    rows = [_row(rank, plan, prediction) for rank, (plan, prediction) in enumerate(shown, 1)]
+    print(_format_table(_HEADERS, rows))
     print()
     print(f"rejected: {len(space.rejected)}")
     for kind in rejection_summary(space):
         print(f"  {kind.count:>6}  {kind.kind}  (e.g. {kind.example})")
 
 
-def rank_by_traffic(plans: Sequence[KernelPlan]) -> list[KernelPlan]:
-    """Least global traffic first; fewer waves, then the key, break ties."""
-    return sorted(plans, key=lambda plan: (plan.global_bytes, plan.waves, plan.key()))
+def rank_by_prediction(
+    plans: Sequence[KernelPlan], device: DeviceProfile
+) -> list[tuple[KernelPlan, Prediction]]:
+    """Fastest predicted first; less global traffic, then the key, break ties."""
+    predicted = [(plan, predict(plan, device)) for plan in plans]
+    return sorted(
+        predicted, key=lambda pair: (pair[1].time_ms, pair[0].global_bytes, pair[0].key())
+    )
 
 
 def describe_problem(problem: Problem) -> str:
@@ -82,7 +90,7 @@ def describe_device(device: DeviceProfile, profile: str) -> str:
     )
 
 
-def _row(rank: int, plan: KernelPlan) -> tuple[str, ...]:
+def _row(rank: int, plan: KernelPlan, prediction: Prediction) -> tuple[str, ...]:
     launch = plan.launch
     return (
         str(rank),
@@ -95,7 +103,8 @@ def _row(rank: int, plan: KernelPlan) -> tuple[str, ...]:
         f"{plan.waves:.2f}",
         f"{plan.global_read_bytes / _MB:.1f}",
         f"{plan.global_write_bytes / _MB:.1f}",
-        f"{(plan.matmul_flops + plan.non_matmul_flops) / 1e9:.2f}",
+        f"{prediction.time_ms:.4f}",
+        prediction.bound,
     )
 
 
