@@ -58,7 +58,7 @@ __device__ __forceinline__ float row_group_sum(float value) {
 }
 
 // Cooperative, coalesced 16-byte copy of `rows` rows starting at global row
-// `first` into a padded shared tile; rows past seq_len become zeros.
+// `first` into a padded shared tile, scaled; rows past seq_len become zeros.
 __device__ __forceinline__ void load_rows(float* tile, const float* __restrict__ src,
                                           int first, int rows, int seq_len, float scale) {
     for (int i = threadIdx.x; i < rows * VECS_PER_ROW; i += THREADS) {
@@ -71,6 +71,29 @@ __device__ __forceinline__ void load_rows(float* tile, const float* __restrict__
         }
         *reinterpret_cast<float4*>(tile + r * ROW_STRIDE + 4 * c) = value;
     }
+}
+
+// Asynchronous 16-byte global->shared copies (cp.async, sm_80+): the copy
+// engine fills a tile while the block computes on another, so K and V loads
+// hide behind the score and P.V loops without a second shared buffer. Rows
+// past seq_len are zero-filled (source size 0).
+__device__ __forceinline__ void load_rows_async(float* tile, const float* __restrict__ src,
+                                                int first, int rows, int seq_len) {
+    for (int i = threadIdx.x; i < rows * VECS_PER_ROW; i += THREADS) {
+        const int r = i / VECS_PER_ROW;
+        const int c = i - r * VECS_PER_ROW;
+        const bool inside = first + r < seq_len;
+        const float* from = src + (size_t)(inside ? first + r : 0) * HEAD_DIM + 4 * c;
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * ROW_STRIDE + 4 * c));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                     :: "r"(to), "l"(from), "r"(inside ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int PENDING>
+__device__ __forceinline__ void wait_async_copies() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -101,6 +124,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
 #endif
 
     load_rows(q_s, q, row0, ROWS_PER_BLOCK, seq_len, scale_log2);
+    __syncthreads();  // q_s is read by every warp
 
     float row_max[ROWS_PER_THREAD];
     float row_sum[ROWS_PER_THREAD];
@@ -113,10 +137,12 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
         for (int c = 0; c < VECS_PER_LANE; ++c) acc[i][c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
+    // Pipeline per tile t: V(t) lands while S(t) is computed; K(t+1) lands
+    // while the softmax and P.V of tile t run. Copy groups complete in order.
+    if (key_begin < key_end) load_rows_async(k_s, k, key_begin, TILE_SIZE, seq_len);
     for (int tile_start = key_begin; tile_start < key_end; tile_start += TILE_SIZE) {
-        __syncthreads();  // the previous tile's P.V is done with k_s, v_s, p_s
-        load_rows(k_s, k, tile_start, TILE_SIZE, seq_len, 1.f);
-        load_rows(v_s, v, tile_start, TILE_SIZE, seq_len, 1.f);
+        load_rows_async(v_s, v, tile_start, TILE_SIZE, seq_len);  // v_s free: P.V(t-1) done
+        wait_async_copies<1>();  // K(t) has landed (V(t) may still be in flight)
         __syncthreads();
 
         float score[ROWS_PER_THREAD][KEYS_PER_LANE];
@@ -145,6 +171,10 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                     score[i][j] = fmaf(qv[i].w, kv[j].w, score[i][j]);
                 }
         }
+
+        __syncthreads();  // every warp is done reading k_s
+        const bool has_next = tile_start + TILE_SIZE < key_end;
+        if (has_next) load_rows_async(k_s, k, tile_start + TILE_SIZE, TILE_SIZE, seq_len);
 
 #pragma unroll
         for (int i = 0; i < ROWS_PER_THREAD; ++i) {
@@ -184,6 +214,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
             }
             (void)query;
         }
+        if (has_next) wait_async_copies<1>(); else wait_async_copies<0>();  // V(t) landed
         __syncthreads();
 
 #pragma unroll 2
@@ -209,6 +240,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                 }
             }
         }
+        __syncthreads();  // P.V done with v_s and p_s before V(t+1) and P(t+1) land
     }
 
     const bool single_split = gridDim.y == 1;
