@@ -1,0 +1,517 @@
+"""The search: an Optuna study over the feasible candidates, measured through a backend.
+
+    result = run_search(space, backend, settings, storage_url=..., study_name=...,
+                        predictions=...)
+
+The study lives in Optuna's RDB storage (SQLite by default, see
+``tuner.study_names``), so re-running the same command continues it, and
+``optuna-dashboard <storage-url>`` shows it live. Order of work:
+
+1. The cost model's best ``enqueue_top`` candidates (within the traffic
+   cutoff, not yet evaluated in this study) are enqueued, best first.
+2. The sampler (``tpe``: multivariate TPE seeded with ``seed``; ``random``;
+   ``grid``: every feasible candidate once, see ``tuner.study_space``) proposes.
+3. Each proposal becomes a trial with one ``outcome`` user attribute:
+
+   ============  ===========  =====================================  =======
+   outcome       state        what happened                          counts
+   ============  ===========  =====================================  =======
+   measured      COMPLETE     backend timed it (value = median ms)   yes
+   failed        PRUNED       backend: compile, crash, timeout, ...  yes
+   infeasible    PRUNED       planner/compiler rejects the point     no
+   skipped       PRUNED       predicted traffic > cutoff x the best  no
+   duplicate     as before    already evaluated in this study        no
+   interrupted   FAIL         Ctrl-C during its measurement          no
+   ============  ===========  =====================================  =======
+
+   Only *measured* and *failed* trials cost backend time, and only they count
+   towards ``n_trials``: a resumed study runs ``n_trials`` minus the ones it
+   has. The free trials stay in the study (the dashboard shows what the
+   sampler tried) and teach the sampler, but a sampler that keeps proposing
+   them is given the best-predicted unevaluated candidate after
+   ``FREE_STREAK_LIMIT`` in a row, and the search ends when every candidate
+   within the cutoff has been evaluated.
+
+Failures are PRUNED with the constraint ``failed = 1`` rather than FAIL or a
+penalty value: TPE ignores FAIL trials (it would propose the same crash
+again), and a penalty value would distort the best value, the history and the
+plots. Pruned trials and, ranked below them, constraint-violating ones are
+what TPE puts in its "bad" group, so it learns to stay away.
+
+Each trial's user attributes: ``outcome``, ``plan_key``, ``params`` (``family``,
+``threads``, ``tile_size``, ``rows_per_block``, ``split_target``,
+``sequence_splits``), ``predicted`` (``ms``, ``read_bytes``,
+``write_bytes``), ``measured``, ``median_ms``, ``timing`` (``spread_ms``,
+``tflops``, ``gbps``, ``max_abs_error``), ``failure``, ``detail``, and
+``duplicate_of`` or ``enqueued`` where they apply. (Grouped: every attribute
+is a storage transaction of its own.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import event
+
+from kernels.backends.base import Backend, Measurement
+from tuner.config import SearchConfig
+from tuner.costmodel import Prediction
+from tuner.errors import ConfigError, TunerError
+from tuner.planner.tunable import KernelPlan
+from tuner.study_space import Encoding, StudySpace
+
+SAMPLERS = ("tpe", "random", "grid")
+#: free proposals (infeasible, skipped, duplicate) in a row before the search
+#: hands the sampler the best-predicted candidate it has not evaluated yet
+FREE_STREAK_LIMIT = 25
+#: seconds between heartbeats of a running trial; one silent for twice this
+#: (a killed tuner) is failed when the study is next run, so it is not left RUNNING
+HEARTBEAT_INTERVAL_S = 30
+
+COUNTED_OUTCOMES = ("measured", "failed")
+Progress = Callable[["TrialOutcome"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TrialOutcome:
+    """One trial of the study, as the report, the plots and the registry need it."""
+
+    number: int
+    state: str
+    outcome: str
+    key: str
+    params: dict[str, Any]
+    predicted_ms: float | None = None
+    predicted_read_bytes: int | None = None
+    predicted_write_bytes: int | None = None
+    measured: bool = False
+    median_ms: float | None = None
+    spread_ms: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    max_abs_error: float | None = None
+    failure: str | None = None
+    detail: str = ""
+    duplicate_of: int | None = None
+
+    @property
+    def counted(self) -> bool:
+        return self.outcome in COUNTED_OUTCOMES
+
+    @property
+    def timed(self) -> bool:
+        """Evaluated by the backend with a time (measured or predicted)."""
+        return self.outcome == "measured" and self.median_ms is not None
+
+    @classmethod
+    def from_trial(cls, trial: FrozenTrial) -> TrialOutcome:
+        attrs = trial.user_attrs
+        predicted = attrs.get("predicted", {})
+        timing = attrs.get("timing", {})
+        default = "interrupted" if trial.state.is_finished() else "running"
+        return cls(
+            number=trial.number,
+            state=trial.state.name,
+            outcome=str(attrs.get("outcome", default)),
+            key=str(attrs.get("plan_key", "")),
+            params=dict(attrs.get("params", {})),
+            predicted_ms=predicted.get("ms"),
+            predicted_read_bytes=predicted.get("read_bytes"),
+            predicted_write_bytes=predicted.get("write_bytes"),
+            measured=bool(attrs.get("measured", False)),
+            median_ms=attrs.get("median_ms"),
+            spread_ms=timing.get("spread_ms"),
+            tflops=timing.get("tflops"),
+            gbps=timing.get("gbps"),
+            max_abs_error=timing.get("max_abs_error"),
+            failure=attrs.get("failure"),
+            detail=str(attrs.get("detail", "")),
+            duplicate_of=attrs.get("duplicate_of"),
+        )
+
+
+_PARAM_NAMES = (
+    "family",
+    "threads",
+    "tile_size",
+    "rows_per_block",
+    "split_target",
+)
+
+
+@dataclass
+class SearchResult:
+    study_name: str
+    storage_url: str
+    #: every trial of the study (earlier runs included), by number
+    trials: list[TrialOutcome]
+    #: trial numbers run by this call
+    new_trials: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    interrupted: bool = False
+    #: feasible candidates never measured because of the traffic cutoff
+    over_cutoff: int = 0
+    enqueued: list[str] = field(default_factory=list)
+
+    @property
+    def new_measurements(self) -> int:
+        numbers = set(self.new_trials)
+        return sum(1 for t in self.trials if t.number in numbers and t.counted)
+
+    @property
+    def counted(self) -> int:
+        return sum(1 for t in self.trials if t.counted)
+
+    def ranked(self) -> list[TrialOutcome]:
+        """Distinct candidates with a time, fastest first (first trial of each plan)."""
+        seen: dict[str, TrialOutcome] = {}
+        for trial in self.trials:
+            if trial.timed and trial.key not in seen:
+                seen[trial.key] = trial
+        return sorted(seen.values(), key=lambda t: (t.median_ms, t.number))
+
+    @property
+    def best(self) -> TrialOutcome | None:
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
+
+
+def open_storage(url: str) -> RDBStorage:
+    """One storage object (one SQLAlchemy engine) for the whole run."""
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///")).expanduser()
+        if str(path) not in ("", ":memory:"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+    sqlite = url.startswith("sqlite")
+    try:
+        with warnings.catch_warnings():
+            # Heartbeats are marked experimental; they are how a killed run's
+            # RUNNING trial gets failed when the study is next run.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = RDBStorage(
+                url,
+                heartbeat_interval=HEARTBEAT_INTERVAL_S,
+                engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else None,
+            )
+    except Exception as error:  # SQLAlchemy/Optuna raise many kinds; all mean "unusable"
+        raise ConfigError(f"search.storage={url} cannot be opened: {error}") from error
+    if sqlite:
+        # Optuna commits every attribute on its own; in SQLite's default rollback
+        # journal each commit is an fsync (~4 ms, most of a model-backend run).
+        # WAL with synchronous=NORMAL commits without one and stays crash-safe
+        # (a power cut may lose the last trials, never corrupt the file), and
+        # lets optuna-dashboard read while the tuner writes.
+        event.listen(storage.engine, "connect", _sqlite_pragmas)
+        storage.engine.dispose()  # reconnect with the pragmas
+    return storage
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def make_sampler(name: str, seed: int, space: StudySpace) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        with warnings.catch_warnings():
+            # ``group`` is experimental; it is what handles the family-conditional space.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler({"candidate": space.keys}, seed=seed)
+    raise ConfigError(f"search.sampler={name} is invalid: allowed: {', '.join(SAMPLERS)}")
+
+
+def encoding_for(sampler: str) -> Encoding:
+    """TPE learns from the tunables' structure; random and grid draw from the plans.
+
+    Random search over the structured space would spend half its draws on the
+    ``family`` coin and so on the three scalar plans; uniform over the feasible
+    plans is the baseline worth comparing TPE with.
+    """
+    return "structured" if sampler == "tpe" else "candidate"
+
+
+@contextlib.contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    # The search reports every trial itself; Optuna's INFO lines and its
+    # warning (with traceback) for an interrupted trial would repeat them.
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            yield
+    finally:
+        optuna.logging.set_verbosity(previous)
+
+
+class _Search:
+    """The state of one ``run_search`` call (the objective and its callback)."""
+
+    def __init__(
+        self,
+        space: StudySpace,
+        backend: Backend,
+        settings: SearchConfig,
+        predictions: Mapping[str, Prediction],
+        study: optuna.Study,
+        progress: Progress | None,
+    ) -> None:
+        self.space = space
+        self.backend = backend
+        self.settings = settings
+        self.predictions = predictions
+        self.study = study
+        self.progress = progress
+        self.evaluated: dict[str, FrozenTrial] = {}
+        self.counted = 0
+        self.free_streak = 0
+        self.new_trials: list[int] = []
+        self.stop_reason = ""
+        best_traffic = min(self._traffic(plan) for plan in space.feasible)
+        self.cutoff_bytes = settings.traffic_cutoff * best_traffic
+        self.allowed = [p for p in space.feasible if self._traffic(p) <= self.cutoff_bytes]
+        # Best predicted first: the enqueue order and the fallback order.
+        self.allowed.sort(key=lambda p: (self._predicted_ms(p), p.key()))
+        for trial in study.get_trials(deepcopy=False):
+            self._remember(trial)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _traffic(self, plan: KernelPlan) -> int:
+        prediction = self.predictions.get(plan.key())
+        return prediction.traffic_bytes if prediction else plan.global_bytes
+
+    def _predicted_ms(self, plan: KernelPlan) -> float:
+        prediction = self.predictions.get(plan.key())
+        return prediction.time_ms if prediction else math.inf
+
+    def _remember(self, trial: FrozenTrial) -> None:
+        outcome = trial.user_attrs.get("outcome")
+        if trial.state.is_finished() and outcome in COUNTED_OUTCOMES:
+            self.counted += 1
+            self.evaluated.setdefault(str(trial.user_attrs["plan_key"]), trial)
+
+    def unevaluated(self) -> list[KernelPlan]:
+        return [p for p in self.allowed if p.key() not in self.evaluated]
+
+    def remaining(self) -> int:
+        return self.settings.n_trials - self.counted
+
+    def enqueue(self, plans: list[KernelPlan], why: str) -> list[str]:
+        """Queue ``plans`` in order, except those already waiting (from an interrupted run)."""
+        waiting = [
+            t.system_attrs.get("fixed_params")
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        ]
+        keys = []
+        for plan in plans:
+            params = self.space.fixed_params(plan)
+            if params in waiting:
+                continue
+            self.study.enqueue_trial(params, user_attrs={"enqueued": why})
+            keys.append(plan.key())
+        return keys
+
+    # ------------------------------------------------------------------ one trial
+
+    def objective(self, trial: optuna.Trial) -> float:
+        self.new_trials.append(trial.number)
+        point = self.space.suggest(trial)
+        resolved = self.space.resolve(point)
+        if resolved.plan is None:
+            attrs: dict[str, Any] = {"plan_key": resolved.key, "outcome": "infeasible"}
+            if not isinstance(point, str):
+                attrs["params"] = _params(point.as_dict())
+            return self._prune(trial, attrs, "INFEASIBLE", resolved.reason)
+        plan = resolved.plan
+        attrs = self._plan_attrs(plan)
+        earlier = self.evaluated.get(plan.key())
+        if earlier is not None:
+            return self._repeat(trial, attrs, earlier)
+        if self._traffic(plan) > self.cutoff_bytes:
+            attrs["outcome"] = "skipped"
+            reason = (
+                f"predicted traffic {self._traffic(plan)} B exceeds "
+                f"{self.settings.traffic_cutoff:g} x the best candidate's"
+            )
+            return self._prune(trial, attrs, "TRAFFIC_CUTOFF", reason)
+        try:
+            measurement = self.backend.measure(plan, self.space.problem)
+        except KeyboardInterrupt:
+            _write(trial, attrs | {"outcome": "interrupted", "failure": "INTERRUPTED"})
+            raise
+        except TunerError as error:  # the backend cannot go on at all: the run ends
+            _write(trial, attrs | {"outcome": "error", "detail": str(error)})
+            raise
+        attrs |= _measurement_attrs(measurement)
+        if measurement.ok:
+            _write(trial, attrs | {"outcome": "measured"})
+            return float(measurement.median_ms)  # type: ignore[arg-type]
+        attrs["outcome"] = "failed"
+        return self._prune(trial, attrs, str(measurement.failure), measurement.detail)
+
+    def _repeat(self, trial: optuna.Trial, attrs: dict[str, Any], earlier: FrozenTrial) -> float:
+        """Reuse an earlier trial's result for the same plan; the backend is not asked."""
+        attrs = attrs | {
+            k: v for k, v in earlier.user_attrs.items() if k not in ("outcome", "enqueued")
+        }
+        attrs |= {"outcome": "duplicate", "duplicate_of": earlier.number}
+        if earlier.state == TrialState.COMPLETE and earlier.value is not None:
+            _write(trial, attrs)
+            return float(earlier.value)
+        return self._prune(trial, attrs, str(attrs.get("failure")), str(attrs.get("detail", "")))
+
+    @staticmethod
+    def _prune(trial: optuna.Trial, attrs: dict[str, Any], failure: str, detail: str) -> float:
+        _write(trial, attrs | {"failure": failure, "detail": detail})
+        trial.set_constraint("failed", 1.0)
+        raise optuna.TrialPruned(f"{failure}: {detail}")
+
+    def _plan_attrs(self, plan: KernelPlan) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"plan_key": plan.key()}
+        attrs["params"] = _params(plan.params.as_dict()) | {"sequence_splits": plan.sequence_splits}
+        prediction = self.predictions.get(plan.key())
+        if prediction is not None:
+            attrs["predicted"] = {
+                "ms": prediction.time_ms,
+                "read_bytes": prediction.read_bytes,
+                "write_bytes": prediction.write_bytes,
+            }
+        return attrs
+
+    # ------------------------------------------------------------------ after each trial
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        outcome = TrialOutcome.from_trial(trial)
+        self._remember(trial)
+        self.free_streak = 0 if outcome.counted else self.free_streak + 1
+        if self.progress is not None:
+            self.progress(outcome)
+        if self.remaining() <= 0:
+            self.stop_reason = f"n_trials={self.settings.n_trials} reached"
+        elif not self.unevaluated():
+            self.stop_reason = "every candidate within the traffic cutoff is evaluated"
+        elif self.free_streak >= FREE_STREAK_LIMIT:
+            self.enqueue(self.unevaluated()[:1], "fallback: sampler repeated itself")
+            self.free_streak = 0
+        if self.stop_reason:
+            study.stop()
+
+
+def _fail_running(study: optuna.Study, numbers: list[int]) -> None:
+    """Fail this run's trials that an interrupt left RUNNING (outside the objective)."""
+    mine = set(numbers)
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.number in mine:
+            with contextlib.suppress(Exception):
+                study.tell(trial.number, state=TrialState.FAIL)
+
+
+def _write(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
+    # Each user attribute is its own storage transaction (several ORM queries),
+    # so a trial writes a handful: flat ones to filter and sort by in the
+    # dashboard, and grouped dictionaries for the rest.
+    for name, value in attrs.items():
+        if value is not None and value != "" and value != {}:
+            trial.set_user_attr(name, value)
+
+
+def _params(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: params[name] for name in _PARAM_NAMES if name in params}
+
+
+def _measurement_attrs(measurement: Measurement) -> dict[str, Any]:
+    timing = {
+        "spread_ms": measurement.spread_ms,
+        "tflops": measurement.tflops,
+        "gbps": measurement.gbps,
+        "max_abs_error": measurement.max_abs_error,
+    }
+    return {
+        "measured": measurement.measured,
+        "median_ms": measurement.median_ms,
+        "timing": {name: value for name, value in timing.items() if value is not None},
+        "failure": None if measurement.failure is None else str(measurement.failure),
+        "detail": measurement.detail,
+    }
+
+
+def run_search(
+    space: StudySpace,
+    backend: Backend,
+    settings: SearchConfig,
+    *,
+    storage: RDBStorage | str,
+    study_name: str,
+    predictions: Mapping[str, Prediction],
+    progress: Progress | None = None,
+) -> SearchResult:
+    """Run (or continue) the study ``study_name`` until ``settings.n_trials`` count.
+
+    Returns every trial of the study. Ctrl-C ends it cleanly: the trial in
+    flight is marked FAIL (``outcome=interrupted``), finished trials stay in
+    the storage, and the result says ``interrupted``.
+    """
+    if isinstance(storage, str):
+        storage = open_storage(storage)
+    storage_url = str(storage.engine.url)
+    with _quiet_optuna():
+        study = optuna.create_study(
+            storage=storage,
+            study_name=study_name,
+            direction="minimize",
+            sampler=make_sampler(settings.sampler, settings.seed, space),
+            load_if_exists=True,
+        )
+        search = _Search(space, backend, settings, predictions, study, progress)
+        result = SearchResult(
+            study_name=study_name,
+            storage_url=storage_url,
+            trials=[],
+            over_cutoff=len(space.feasible) - len(search.allowed),
+        )
+        if search.remaining() <= 0:
+            search.stop_reason = f"n_trials={settings.n_trials} already reached"
+        elif not search.unevaluated():
+            search.stop_reason = "every candidate within the traffic cutoff is evaluated"
+        else:
+            # The top of the whole ranking: a resumed study does not enqueue the next ones.
+            top = [
+                p for p in search.allowed[: settings.enqueue_top] if p.key() not in search.evaluated
+            ]
+            result.enqueued = search.enqueue(top, "cost model top")
+            started = time.monotonic()
+            try:
+                study.optimize(
+                    search.objective,
+                    timeout=settings.timeout_s,
+                    callbacks=[search.after_trial],
+                    gc_after_trial=False,
+                )
+            except KeyboardInterrupt:
+                result.interrupted = True
+                search.stop_reason = "interrupted (Ctrl-C)"
+                _fail_running(study, search.new_trials)
+            if not search.stop_reason and settings.timeout_s is not None:
+                elapsed = time.monotonic() - started
+                search.stop_reason = f"timeout_s={settings.timeout_s:g} reached ({elapsed:.0f} s)"
+        result.trials = [TrialOutcome.from_trial(t) for t in study.get_trials(deepcopy=False)]
+    result.new_trials = search.new_trials
+    result.stop_reason = search.stop_reason
+    return result

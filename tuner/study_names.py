@@ -1,0 +1,59 @@
+"""Where a study lives and what it is called.
+
+A study holds the trials of one problem in one environment against one
+version of the kernel sources: its name is built from all three, so re-running
+the same command continues it, while a new GPU, driver or toolchain, or an
+edited ``.cu`` file, starts a fresh study (old timings say nothing about the
+new kernel). The name stays readable (problem, GPU) with a short digest of
+everything else.
+
+The default storage is ``studies.sqlite`` next to the registry's SQLite file;
+open it with ``optuna-dashboard sqlite:///path/to/studies.sqlite``. A registry
+on a server (PostgreSQL) gets a local ``studies.sqlite`` unless
+``search.storage`` names one: the registry's own tables (and its
+``alembic_version``) must not share a schema with Optuna's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from tuner.environment import Environment
+from tuner.errors import ConfigError
+from tuner.problem import Problem
+
+STUDIES_FILE = "studies.sqlite"
+
+
+def study_name(problem: Problem, environment: Environment, source_hashes: Mapping[str, str]) -> str:
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>``."""
+    identity = {
+        "environment": environment.as_dict(),
+        "sources": dict(sorted(source_hashes.items())),
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
+    mask = "causal" if problem.causal else "full"
+    shape = f"{problem.batch}x{problem.heads}x{problem.seq_len}x{problem.head_dim}"
+    return f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}"
+
+
+def default_storage_url(registry_url: str) -> str:
+    """``sqlite:///<registry directory>/studies.sqlite``, or ``./studies.sqlite``."""
+    try:
+        url = make_url(registry_url)
+    except ArgumentError as error:
+        raise ConfigError(f"registry.url={registry_url} is invalid: {error}") from error
+    database = url.database
+    if url.get_backend_name() == "sqlite" and database and database != ":memory:":
+        path = Path(database).expanduser().parent / STUDIES_FILE
+    else:
+        path = Path(STUDIES_FILE)
+    return f"sqlite:///{path}"
