@@ -42,6 +42,10 @@ F32_BYTES = 4
 #: shared-memory rows are padded by 4 floats so that 16-byte loads of
 #: consecutive rows fall in different bank groups (row stride % 32 banks == 4).
 SHARED_ROW_PAD = 4
+#: the smallest tile / row block and scalar block the space offers: never
+#: "larger than needed", so tiny sequences keep candidates.
+SMALLEST_TILE = 16
+SMALLEST_SCALAR_THREADS = 64
 #: threads of the split-reduction kernel's blocks (one float4 of output each).
 REDUCE_THREADS = 128
 #: non-matmul flops per (query, key) pair in the tiled kernel: scale folded into
@@ -349,7 +353,7 @@ def _plan_scalar(problem: Problem, params: KernelParams, device: DeviceProfile) 
     threads = params.threads
     shared = scalar_shared_bytes(threads, d)
     reason = _common_verdict(params, shared, device)
-    if not reason and threads // 2 >= n:
+    if not reason and _larger_than_needed(threads, n, SMALLEST_SCALAR_THREADS):
         reason = f"threads={threads} exceeds what seq_len={n} needs (half the block covers it)"
     row_blocks = div_ceil(n, max(threads, 1))
     launch = Launch(grid=(row_blocks, 1, bh), block=(threads, 1, 1), shared_bytes=shared)
@@ -388,6 +392,15 @@ def _plan_scalar(problem: Problem, params: KernelParams, device: DeviceProfile) 
     )
 
 
+def _larger_than_needed(size: int, seq_len: int, smallest: int) -> bool:
+    """A size is wasteful when half of it already covers the sequence.
+
+    ``smallest`` keeps the smallest useful size feasible for tiny sequences,
+    so every problem has at least one candidate of each family.
+    """
+    return size // 2 >= seq_len and size // 2 >= smallest
+
+
 def _key_rows_read_per_head(n: int, rows_per_block: int, causal: bool) -> int:
     """Key rows all blocks of one head read: once per block of query rows.
 
@@ -397,8 +410,10 @@ def _key_rows_read_per_head(n: int, rows_per_block: int, causal: bool) -> int:
     blocks = div_ceil(n, rows_per_block)
     if not causal:
         return blocks * n
-    # Block b attends keys [0, min(n, (b+1)*rows_per_block)).
-    return sum(min(n, (b + 1) * rows_per_block) for b in range(blocks))
+    # Block b attends keys [0, min(n, (b+1)*rows_per_block)): the first `full`
+    # blocks end inside the sequence, the rest (at most one) read all n keys.
+    full = n // rows_per_block
+    return rows_per_block * full * (full + 1) // 2 + (blocks - full) * n
 
 
 def _plan_tiled(problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
@@ -423,9 +438,9 @@ def _plan_tiled(problem: Problem, params: KernelParams, device: DeviceProfile) -
         reason = f"head_dim={d} is not a multiple of 4 (the tiled kernel moves float4s)"
     if not reason:
         reason = _common_verdict(params, shared, device)
-    if not reason and tile // 2 >= n:
+    if not reason and _larger_than_needed(tile, n, SMALLEST_TILE):
         reason = f"tile_size={tile} is larger than needed for seq_len={n}"
-    if not reason and rows // 2 >= n:
+    if not reason and _larger_than_needed(rows, n, SMALLEST_TILE):
         reason = f"rows_per_block={rows} is larger than needed for seq_len={n}"
     if not reason and lanes is None:
         reason = (
