@@ -41,17 +41,10 @@ def run_plan(workdir: Path, *arguments: str) -> subprocess.CompletedProcess[str]
     )
 
 
-TINY_SHAPE_UNPLANNABLE = pytest.mark.xfail(
-    reason="the tunable planner rejects every candidate for seq_len <= 8 (tile_size, "
-    "rows_per_block and threads all 'larger than needed'), unlike the seed, which plans "
-    "such shapes; validation then refuses the problem",
-    strict=False,
-)
-
 
 @pytest.mark.parametrize(
     ("seq_len", "head_dim"),
-    [(4096, 128), pytest.param(7, 32, marks=TINY_SHAPE_UNPLANNABLE)],
+    [(4096, 128), (7, 32)],
 )
 def test_plan_mode_prints_feasible_candidates_and_rejections(
     tmp_path: Path, seq_len: int, head_dim: int
