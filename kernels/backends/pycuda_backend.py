@@ -1,0 +1,507 @@
+"""The PyCUDA backend: compile (cached), launch, parity-check and time one plan on a real GPU.
+
+The only module that imports pycuda, and only inside functions, so the
+package imports on machines without CUDA. It works in the device's *primary*
+context (``retain_primary_context``), the one the CUDA runtime and torch use,
+so pycuda and torch share one process (``bench/speed_check.py``); the context
+is pushed around each call and popped after, so the backend can be used from
+any thread and leaves the caller's context stack as it found it.
+
+Per problem (not per candidate) it allocates the device buffers, draws fresh
+seeded random-normal inputs, computes the float64 CPU reference (whole or
+sampled, ``kernels.parity``) and, for problems too large to check whole on the
+CPU, the scalar kernel's output on the same inputs; each candidate then costs
+a cache lookup, a module load and its launches.
+
+Failures are values (``Measurement.failed``): INFEASIBLE (the planner or
+ptxas's register/spill report rules it out), COMPILE, RESOURCES (the launch
+itself is refused), WRONG_ANSWER, and RUNTIME_DEVICE. A RUNTIME_DEVICE failure
+(illegal address, misaligned access, any error once a kernel has run) leaves
+the CUDA context unusable for the rest of the process: the backend sets
+``context_lost`` and every later ``measure`` raises ``DeviceContextLost``, so
+the isolation layer must end this worker process and start a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernels import build
+from kernels.backends.base import Backend, Failure, Measurement
+from kernels.launch import (
+    BufferElements,
+    DeviceBuffers,
+    KernelLaunch,
+    buffer_elements,
+    launch_sequence,
+)
+from kernels.parity import CpuReference, ParityResult, compare, full_check
+from kernels.timing import TimingStats, throughput, time_repetitions
+from tuner.device import H200, PROFILES, DeviceProfile
+from tuner.environment import Environment
+from tuner.errors import BackendError
+from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
+from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
+from tuner.problem import Problem
+
+#: a quiet-NaN bit pattern: outputs are filled with it so unwritten elements fail parity
+NAN_BITS = 0x7FC00000
+#: block size of the scalar kernel that serves as the GPU reference for large problems
+SCALAR_REFERENCE_THREADS = 128
+DEFAULT_CACHE_DIR = "~/.cache/flash-attention-tuner/cubins"
+
+# cuGetErrorString texts of a launch the driver refuses before running it
+# (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, CUDA_ERROR_INVALID_VALUE); the context survives these.
+_REFUSED_LAUNCH = ("too many resources", "out of resources", "invalid argument", "invalid value")
+
+
+class DeviceContextLost(BackendError):
+    """A kernel faulted earlier; this process's CUDA context is unusable. Start a new worker."""
+
+
+def launch_refused(message: str) -> bool:
+    """Whether a launch-time error means "this configuration cannot launch" (RESOURCES)."""
+    text = message.lower()
+    return any(marker in text for marker in _REFUSED_LAUNCH)
+
+
+class _LaunchRefused(Exception):
+    pass
+
+
+class _DeviceFault(Exception):
+    pass
+
+
+@dataclass
+class _ProblemState:
+    """What one problem keeps on the device and host across candidates."""
+
+    problem: Problem
+    host_q: np.ndarray
+    host_k: np.ndarray
+    host_v: np.ndarray
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    reference: CpuReference
+    partial_o: Any = None
+    partial_ml: Any = None
+    partial_capacity: BufferElements | None = None
+    scalar_output: np.ndarray | None = None
+
+
+class PyCudaBackend(Backend):
+    name = "pycuda"
+
+    def __init__(
+        self,
+        device_index: int = 0,
+        *,
+        cache_dir: str | Path = DEFAULT_CACHE_DIR,
+        repetitions: int = 30,
+        warmup: int = 3,
+        flush_l2: bool = True,
+        seed: int = 0,
+        tolerance: float = FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS,
+    ) -> None:
+        self.device_index = device_index
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.repetitions = repetitions
+        self.warmup = warmup
+        self.flush_l2 = flush_l2
+        self.seed = seed
+        self.tolerance = tolerance
+        self.context_lost = False
+        self._lost_reason = ""
+        self._drv: Any = None
+        self._device: Any = None
+        self._context: Any = None
+        self._profile: DeviceProfile | None = None
+        self._modules: dict[str, Any] = {}
+        self._state: _ProblemState | None = None
+        self._flush_buffer: Any = None
+        self._flush_bytes = 0
+
+    # ------------------------------------------------------------------ context
+
+    def _open(self) -> None:
+        if self._context is not None:
+            return
+        try:
+            import pycuda.driver as drv
+        except ImportError as error:
+            raise BackendError(
+                "pycuda is not installed: pip install 'flash-attention-tuner[cuda]'"
+            ) from error
+        try:
+            drv.init()
+            count = drv.Device.count()
+            if self.device_index >= count:
+                raise BackendError(
+                    f"CUDA device {self.device_index} requested but {count} visible "
+                    "(CUDA_VISIBLE_DEVICES renumbers them from 0)"
+                )
+            device = drv.Device(self.device_index)
+            context = device.retain_primary_context()
+        except drv.Error as error:
+            raise BackendError(f"no CUDA device answers: {error}") from error
+        self._drv, self._device, self._context = drv, device, context
+
+    @contextlib.contextmanager
+    def _active(self) -> Iterator[Any]:
+        self._open()
+        self._context.push()
+        try:
+            yield self._drv
+        finally:
+            with contextlib.suppress(Exception):
+                self._drv.Context.pop()
+
+    def close(self) -> None:
+        if self._context is None:
+            return
+        with contextlib.suppress(Exception), self._active():
+            # Free device memory while the context is current.
+            self._state = None
+            self._flush_buffer = None
+            self._modules.clear()
+        with contextlib.suppress(Exception):
+            self._context.detach()
+        self._context = None
+
+    # ------------------------------------------------------------------ facts
+
+    def device_profile(self) -> DeviceProfile:
+        """The live device's limits; ceilings (peak FLOP/s, bandwidth) from a named
+        profile of the same GPU where there is one, else derived from its clocks."""
+        if self._profile is not None:
+            return self._profile
+        self._open()
+        drv, device = self._drv, self._device
+
+        def attribute(name: str, default: int) -> int:
+            enum = getattr(drv.device_attribute, name, None)
+            if enum is None:
+                return default
+            try:
+                return int(device.get_attribute(enum))
+            except drv.Error:
+                return default
+
+        name = device.name()
+        template = next((p for p in PROFILES.values() if p.name == name), None)
+        base = template or H200
+        sm_count = attribute("MULTIPROCESSOR_COUNT", base.sm_count)
+        profile = replace(
+            base,
+            name=name,
+            compute_capability=tuple(device.compute_capability()),
+            sm_count=sm_count,
+            max_threads_per_block=attribute("MAX_THREADS_PER_BLOCK", base.max_threads_per_block),
+            max_threads_per_sm=attribute("MAX_THREADS_PER_MULTIPROCESSOR", base.max_threads_per_sm),
+            max_blocks_per_sm=attribute("MAX_BLOCKS_PER_MULTIPROCESSOR", base.max_blocks_per_sm),
+            max_shared_memory_per_block_optin=attribute(
+                "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", base.max_shared_memory_per_block_optin
+            ),
+            shared_memory_per_sm=attribute(
+                "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", base.shared_memory_per_sm
+            ),
+            reserved_shared_memory_per_block=attribute(
+                "RESERVED_SHARED_MEMORY_PER_BLOCK", base.reserved_shared_memory_per_block
+            ),
+            registers_per_sm=attribute("MAX_REGISTERS_PER_MULTIPROCESSOR", base.registers_per_sm),
+            registers_per_block=attribute("MAX_REGISTERS_PER_BLOCK", base.registers_per_block),
+            warp_size=attribute("WARP_SIZE", base.warp_size),
+            l2_bytes=attribute("L2_CACHE_SIZE", base.l2_bytes),
+        )
+        if template is None:
+            # Unknown GPU: 128 FP32 lanes per SM (sm_86 and later), 2 flops per FMA;
+            # DRAM: double data rate over the bus. Clocks are reported in kHz.
+            clock_ghz = attribute("CLOCK_RATE", int(base.clock_ghz * 1e6)) / 1e6
+            memory_khz = attribute("MEMORY_CLOCK_RATE", 0)
+            bus_bits = attribute("GLOBAL_MEMORY_BUS_WIDTH", 0)
+            bandwidth = 2 * memory_khz * 1e3 * bus_bits / 8 / 1e9
+            profile = replace(
+                profile,
+                clock_ghz=clock_ghz,
+                peak_fp32_tflops=sm_count * 128 * 2 * clock_ghz / 1e3,
+                dram_bandwidth_gbps=bandwidth or base.dram_bandwidth_gbps,
+            )
+        self._profile = profile
+        return profile
+
+    def environment(self) -> dict[str, str | int]:
+        self._open()
+        import pycuda
+
+        profile = self.device_profile()
+        cuda = int(self._drv.get_driver_version())
+        major, minor = profile.compute_capability
+        return Environment(
+            gpu_name=profile.name,
+            compute_capability=f"{major}.{minor}",
+            sm_count=profile.sm_count,
+            driver_version=_driver_version(),
+            cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
+            nvcc_version=build.nvcc_version() or "",
+            pycuda_version=str(pycuda.VERSION_TEXT),
+        ).as_dict()
+
+    # ------------------------------------------------------------------ measure
+
+    def precompile(
+        self,
+        plans: Iterable[KernelPlan],
+        jobs: int | None = None,
+        progress: build.Progress | None = None,
+    ) -> dict[str, build.CompileResult]:
+        """Compile every distinct variant of ``plans`` into the cache, in parallel."""
+        return build.compile_many(
+            plans, self.cache_dir, jobs=jobs, arch=self.device_profile().arch, progress=progress
+        )
+
+    def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
+        if self.context_lost:
+            raise DeviceContextLost(
+                f"the CUDA context was lost earlier ({self._lost_reason}); "
+                "measure in a fresh process"
+            )
+        if plan.problem != problem:
+            raise ValueError(
+                f"{plan.key()} was planned for {plan.problem.label()}, not {problem.label()}"
+            )
+        if not plan.feasible:
+            return Measurement.failed(Failure.INFEASIBLE, plan.reason, measured=False)
+        device = self.device_profile()
+        compiled = build.compile_kernel(plan, self.cache_dir, arch=device.arch)
+        if isinstance(compiled, build.CompileFailure):
+            return Measurement.failed(Failure.COMPILE, compiled.reason, measured=False)
+        judged = plan.with_resources(compiled.primary_resources, device)
+        if not judged.feasible:
+            return Measurement.failed(Failure.INFEASIBLE, judged.reason, measured=False)
+        with self._active() as drv:
+            try:
+                return self._measure_loaded(drv, judged, compiled)
+            except _LaunchRefused as refused:
+                return Measurement.failed(Failure.RESOURCES, str(refused))
+            except _DeviceFault as fault:
+                self.context_lost = True
+                self._lost_reason = str(fault)
+                return Measurement.failed(Failure.RUNTIME_DEVICE, str(fault))
+
+    def _measure_loaded(
+        self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel
+    ) -> Measurement:
+        state = self._problem_state(drv, plan.problem)
+        functions = self._functions(drv, compiled)
+        launches = launch_sequence(plan, self._buffers(drv, state, plan))
+
+        def run() -> None:
+            self._launch(drv, functions, launches)
+
+        output = self._run_once(drv, state, run)
+        parity = state.reference.check(output, self.tolerance)
+        if parity.ok and not full_check(plan.problem):
+            against_scalar = compare(
+                output, self._scalar_output(drv, state), self.tolerance, "the scalar kernel"
+            )
+            parity = _worse(parity, against_scalar)
+        if not parity.ok:
+            return Measurement(
+                measured=True,
+                max_abs_error=parity.max_abs_error,
+                failure=Failure.WRONG_ANSWER,
+                detail=parity.detail,
+            )
+        stats = self._time(drv, run)
+        tflops, gbps = throughput(plan.problem, plan, stats.median_ms)
+        return Measurement(
+            measured=True,
+            median_ms=stats.median_ms,
+            spread_ms=stats.spread_ms,
+            repetitions=len(stats.samples_ms),
+            max_abs_error=parity.max_abs_error,
+            tflops=tflops,
+            gbps=gbps,
+            detail=parity.detail,
+            samples_ms=stats.samples_ms,
+        )
+
+    # ------------------------------------------------------------------ pieces
+
+    def _problem_state(self, drv: Any, problem: Problem) -> _ProblemState:
+        if self._state is not None and self._state.problem == problem:
+            return self._state
+        self._state = None  # free the previous problem's buffers first
+        shape = (problem.batch_heads, problem.seq_len, problem.head_dim)
+        # Seeded per problem: reruns see the same inputs, other problems other ones.
+        identity = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
+        rng = np.random.default_rng([self.seed, *identity, int(problem.causal)])
+        host = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+        try:
+            q, k, v = (drv.to_device(array) for array in host)
+            out = drv.mem_alloc(host[0].nbytes)
+        except drv.MemoryError as error:
+            raise BackendError(
+                f"{problem.label()} does not fit in device memory: {error}"
+            ) from error
+        reference = CpuReference(problem, *host, seed=self.seed)
+        self._state = _ProblemState(problem, *host, q, k, v, out, reference)
+        return self._state
+
+    def _buffers(self, drv: Any, state: _ProblemState, plan: KernelPlan) -> DeviceBuffers:
+        needed = buffer_elements(plan)
+        capacity = state.partial_capacity
+        if needed.partial_o and (capacity is None or capacity.partial_o < needed.partial_o):
+            state.partial_o = state.partial_ml = None
+            try:
+                state.partial_o = drv.mem_alloc(needed.partial_o * 4)
+                state.partial_ml = drv.mem_alloc(needed.partial_ml * 4)
+            except drv.MemoryError as error:
+                raise _LaunchRefused(
+                    f"split buffers do not fit in device memory: {error}"
+                ) from error
+            state.partial_capacity = needed
+        with_partials = needed.partial_o > 0
+        return DeviceBuffers(
+            q=int(state.q),
+            k=int(state.k),
+            v=int(state.v),
+            out=int(state.out),
+            partial_o=int(state.partial_o) if with_partials else 0,
+            partial_ml=int(state.partial_ml) if with_partials else 0,
+        )
+
+    def _functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:
+        module = self._modules.get(compiled.key)
+        if module is None:
+            try:
+                module = drv.module_from_buffer(compiled.cubin)
+            except drv.Error as error:
+                raise _LaunchRefused(f"cubin does not load: {error}") from error
+            self._modules[compiled.key] = module
+        return {
+            name: module.get_function(name) for name in build.ENTRY_FUNCTIONS[compiled.spec.family]
+        }
+
+    def _launch(
+        self, drv: Any, functions: dict[str, Any], launches: tuple[KernelLaunch, ...]
+    ) -> None:
+        for launch in launches:
+            function = functions[launch.function]
+            try:
+                if launch.needs_shared_opt_in:
+                    function.set_attribute(
+                        drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.shared_bytes
+                    )
+                function(
+                    *launch.args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes
+                )
+            except drv.Error as error:
+                # Refused launches fail synchronously; anything else here is an
+                # earlier kernel's fault surfacing at this call.
+                if launch_refused(str(error)):
+                    raise _LaunchRefused(f"{launch.function}: {error}") from error
+                raise _DeviceFault(f"{launch.function}: {error}") from error
+
+    def _run_once(self, drv: Any, state: _ProblemState, run: Callable[[], None]) -> np.ndarray:
+        """One run on NaN-poisoned outputs (and partials); the output copied back."""
+        elements = state.host_q.size
+        try:
+            drv.memset_d32(state.out, NAN_BITS, elements)
+            if state.partial_capacity is not None:
+                drv.memset_d32(state.partial_o, NAN_BITS, state.partial_capacity.partial_o)
+                drv.memset_d32(state.partial_ml, NAN_BITS, state.partial_capacity.partial_ml)
+        except drv.Error as error:
+            raise _DeviceFault(f"poisoning the output: {error}") from error
+        run()
+        output = np.empty_like(state.host_q)
+        try:
+            drv.Context.synchronize()
+            drv.memcpy_dtoh(output, state.out)
+        except drv.Error as error:
+            raise _DeviceFault(str(error)) from error
+        return output
+
+    def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray:
+        """The scalar kernel's output on this problem's inputs: the GPU reference, computed once."""
+        if state.scalar_output is not None:
+            return state.scalar_output
+        problem = state.problem
+        params = KernelParams("scalar_online", threads=SCALAR_REFERENCE_THREADS)
+        plan = plan_kernel(problem, params, self.device_profile())
+        compiled = build.compile_kernel(plan, self.cache_dir, arch=self.device_profile().arch)
+        if isinstance(compiled, build.CompileFailure):
+            raise BackendError(f"the scalar reference kernel does not compile: {compiled.reason}")
+        functions = self._functions(drv, compiled)
+        launches = launch_sequence(plan, self._buffers(drv, state, plan))
+        output = self._run_once(drv, state, lambda: self._launch(drv, functions, launches))
+        check = state.reference.check(output, self.tolerance)
+        if not check.ok:
+            raise BackendError(
+                f"the scalar reference kernel disagrees with the CPU: {check.detail}"
+            )
+        state.scalar_output = output
+        return output
+
+    def _time(self, drv: Any, run: Callable[[], None]) -> TimingStats:
+        flush = None
+        if self.flush_l2:
+            if self._flush_buffer is None:
+                self._flush_bytes = 2 * self.device_profile().l2_bytes
+                self._flush_buffer = drv.mem_alloc(self._flush_bytes)
+            counter = iter(range(1 << 62))
+
+            def flush() -> None:
+                # A changing byte value, so the driver cannot skip a repeated memset.
+                drv.memset_d8_async(self._flush_buffer, next(counter) & 0xFF, self._flush_bytes)
+
+        try:
+            return time_repetitions(
+                run, _EventTimer(drv), repetitions=self.repetitions, warmup=self.warmup, flush=flush
+            )
+        except drv.Error as error:
+            raise _DeviceFault(f"while timing: {error}") from error
+
+
+class _EventTimer:
+    """CUDA events on the default stream, the stream the launches and the flush use."""
+
+    def __init__(self, drv: Any) -> None:
+        self._start = drv.Event()
+        self._end = drv.Event()
+
+    def start(self) -> None:
+        self._start.record()
+
+    def stop(self) -> float:
+        self._end.record()
+        self._end.synchronize()
+        return float(self._end.time_since(self._start))
+
+
+def _worse(first: ParityResult, second: ParityResult) -> ParityResult:
+    if not first.ok:
+        return first
+    if not second.ok:
+        return second
+    return ParityResult(True, max(first.max_abs_error, second.max_abs_error), second.detail)
+
+
+def _driver_version() -> str:
+    """The kernel driver's version ("580.159"); the driver API only reports its CUDA version."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return ""
+    match = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else ""
