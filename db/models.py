@@ -10,7 +10,9 @@ the migrations' result agree.
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -21,10 +23,12 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Select,
     String,
     Text,
     TypeDecorator,
     UniqueConstraint,
+    bindparam,
     select,
 )
 from sqlalchemy.engine import Dialect
@@ -99,6 +103,29 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
+    return {
+        "seq_len": problem.seq_len,
+        "head_dim": problem.head_dim,
+        "batch": problem.batch,
+        "heads": problem.heads,
+        "causal": problem.causal,
+        "dtype": problem.dtype,
+    }
+
+
+@functools.cache
+def _lookup(model: type[EnvironmentRow] | type[ProblemRow]) -> Select[Any]:
+    """``SELECT row WHERE <unique key> = :params``, built once per model.
+
+    Building the WHERE clause anew on every call (seven comparisons for an
+    environment) cost more than running the query; a reused statement with
+    bound parameters also reuses SQLAlchemy's compiled form.
+    """
+    (unique,) = (c for c in model.__table__.constraints if isinstance(c, UniqueConstraint))
+    return select(model).where(*(column == bindparam(column.name) for column in unique.columns))
+
+
 class EnvironmentRow(Base):
     """Where plans were tuned; one row per distinct GPU + toolchain identity."""
 
@@ -126,22 +153,9 @@ class EnvironmentRow(Base):
     # Added by revision 0002; rows from 0001 databases get "" (unknown).
     pycuda_version: Mapped[str] = mapped_column(String(64), server_default="")
 
-    @staticmethod
-    def identity(environment: Environment) -> tuple:
-        """WHERE terms matching ``environment`` exactly (the unique key)."""
-        return (
-            EnvironmentRow.gpu_name == environment.gpu_name,
-            EnvironmentRow.compute_capability == environment.compute_capability,
-            EnvironmentRow.sm_count == environment.sm_count,
-            EnvironmentRow.driver_version == environment.driver_version,
-            EnvironmentRow.cuda_version == environment.cuda_version,
-            EnvironmentRow.nvcc_version == environment.nvcc_version,
-            EnvironmentRow.pycuda_version == environment.pycuda_version,
-        )
-
     @classmethod
     def find(cls, session: Session, environment: Environment) -> EnvironmentRow | None:
-        return session.scalars(select(cls).where(*cls.identity(environment))).one_or_none()
+        return session.scalars(_lookup(cls), environment.as_dict()).one_or_none()
 
     @classmethod
     def from_environment(cls, environment: Environment) -> EnvironmentRow:
@@ -179,20 +193,9 @@ class ProblemRow(Base):
     causal: Mapped[bool] = mapped_column(Boolean)
     dtype: Mapped[str] = mapped_column(String(16))
 
-    @staticmethod
-    def identity(problem: Problem) -> tuple:
-        return (
-            ProblemRow.head_dim == problem.head_dim,
-            ProblemRow.dtype == problem.dtype,
-            ProblemRow.causal == problem.causal,
-            ProblemRow.seq_len == problem.seq_len,
-            ProblemRow.batch == problem.batch,
-            ProblemRow.heads == problem.heads,
-        )
-
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
-        return session.scalars(select(cls).where(*cls.identity(problem))).one_or_none()
+        return session.scalars(_lookup(cls), problem_identity(problem)).one_or_none()
 
     @classmethod
     def from_problem(cls, problem: Problem) -> ProblemRow:
@@ -230,7 +233,7 @@ class PlanRow(Base):
     problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"))
     environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
     family: Mapped[str] = mapped_column(String(64))
-    params_json: Mapped[str] = mapped_column("params", Text)
+    params: Mapped[str] = mapped_column(Text)  # JSON object, keys sorted
     source_hash: Mapped[str] = mapped_column(String(128))
     measured: Mapped[bool] = mapped_column(Boolean)
     median_ms: Mapped[float | None] = mapped_column(Double)

@@ -27,12 +27,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from db import queries, ranking, schema, storage, transfer
+from db import ranking, reads, schema, storage, transfer, writes
 from db.cache import BestPlanCache
-from db.models import ProblemRow
 from db.records import ImportSummary, PlanRecord, RecordOutcome, StoredPlan
 from tuner.environment import Environment
 from tuner.errors import RegistryError
@@ -108,7 +107,7 @@ class PlanRegistry:
         """
         created_at = datetime.now(UTC)
         return self._write(
-            lambda session: queries.record_plan(
+            lambda session: writes.record_plan(
                 session, problem, environment, plan, created_at, source_hashes
             ),
             "record a plan",
@@ -125,21 +124,18 @@ class PlanRegistry:
 
         def run(session: Session) -> ImportSummary:
             outcomes = []
+            ids: dict[tuple[Problem, Environment], tuple[int, int]] = {}
             for entry in entries:
-                duplicate = queries.find_duplicate(
-                    session, entry.problem, entry.environment, entry.record, entry.created_at
-                )
-                if duplicate is None:
-                    outcomes.append(
-                        queries.record_plan(
-                            session,
-                            entry.problem,
-                            entry.environment,
-                            entry.record,
-                            entry.created_at,
-                            source_hashes,
-                        )
+                key = (entry.problem, entry.environment)
+                if key not in ids:
+                    ids[key] = writes.resolve_ids(session, entry.problem, entry.environment)
+                if writes.is_duplicate(session, *ids[key], entry.record, entry.created_at):
+                    continue
+                outcomes.append(
+                    writes.record_plan_at(
+                        session, *ids[key], entry.record, entry.created_at, source_hashes
                     )
+                )
             return ImportSummary(len(outcomes), len(entries) - len(outcomes), tuple(outcomes))
 
         return self._write(run, f"import {path}")
@@ -160,22 +156,21 @@ class PlanRegistry:
         served when tuned; else, with ``nearest``, the nearest tuned shape
         (``fallback=True``). See the module doc for the order.
         """
-        with self._read() as session:
-            exact = queries.best_triples(session, ProblemRow.identity(problem), environment)
+        with self._read() as connection:
+            exact = reads.best_pointers(connection, problem, environment, exact=True)
             if exact:
-                served = [self._serve(session, t, source_hashes, fallback=False) for t in exact]
+                served = [
+                    _serve(connection, found, source_hashes, fallback=False) for found in exact
+                ]
                 return min(served, key=_serve_order)
             if not nearest:
                 return None
-            family_terms = (
-                ProblemRow.head_dim == problem.head_dim,
-                ProblemRow.dtype == problem.dtype,
-                ProblemRow.causal == problem.causal,
-            )
-            candidates = queries.best_triples(session, family_terms, environment)
+            candidates = reads.best_pointers(connection, problem, environment, exact=False)
             if not candidates:
                 return None
-            served = [self._serve(session, t, source_hashes, fallback=True) for t in candidates]
+            served = [
+                _serve(connection, found, source_hashes, fallback=True) for found in candidates
+            ]
             return min(
                 served,
                 key=lambda s: (
@@ -212,52 +207,30 @@ class PlanRegistry:
         source_hashes: Mapping[str, str] | None = None,
     ) -> list[StoredPlan]:
         """Recorded plans, newest first, optionally for one problem and/or environment."""
-        with self._read() as session:
-            triples = queries.history_triples(session, problem, environment, limit)
-            return [queries.to_stored(t, source_hashes=source_hashes) for t in triples]
+        with self._read() as connection:
+            found = reads.history(connection, problem, environment, limit)
+            return [plan.stored(source_hashes=source_hashes) for plan in found]
 
     def list_best(self, *, source_hashes: Mapping[str, str] | None = None) -> list[StoredPlan]:
         """The best pointer of every problem x environment, by shape."""
-        with self._read() as session:
-            triples = queries.list_best_triples(session)
-            return [queries.to_stored(t, source_hashes=source_hashes) for t in triples]
+        with self._read() as connection:
+            return [
+                plan.stored(source_hashes=source_hashes) for plan in reads.every_best(connection)
+            ]
 
     def export(self, path: str | Path) -> int:
         """Write every plan (history included) as JSON; returns how many."""
-        with self._read() as session:
-            rows = queries.all_triples(session)
+        with self._read() as connection:
             plans = [
                 transfer.ExportedPlan(
-                    problem=q.to_problem(),
-                    environment=e.to_environment(),
-                    record=queries.to_record(p),
-                    created_at=p.created_at,
-                    best=is_best,
+                    plan.problem, plan.environment, plan.record, plan.created_at, is_best
                 )
-                for (p, q, e), is_best in rows
+                for plan, is_best in reads.every_plan(connection)
             ]
         transfer.write_export(Path(path), plans)
         return len(plans)
 
     # -- internals -----------------------------------------------------------
-
-    def _serve(
-        self,
-        session: Session,
-        triple: queries.PlanTriple,
-        source_hashes: Mapping[str, str] | None,
-        *,
-        fallback: bool,
-    ) -> StoredPlan:
-        """The pointer plan, or a current measured one when the pointer's source is stale."""
-        stored = queries.to_stored(triple, fallback=fallback, source_hashes=source_hashes)
-        if stored.stale and source_hashes:
-            current = queries.fastest_current_measured(session, triple[0], source_hashes)
-            if current is not None:
-                return queries.to_stored(
-                    (current, triple[1], triple[2]), fallback=fallback, source_hashes=source_hashes
-                )
-        return stored
 
     def _live_engine(self) -> Engine:
         if self._engine is None:
@@ -265,9 +238,9 @@ class PlanRegistry:
         return self._engine
 
     @contextmanager
-    def _read(self) -> Iterator[Session]:
-        with storage.session_scope(self._live_engine(), self._label, write=False) as session:
-            yield session
+    def _read(self) -> Iterator[Connection]:
+        with storage.read_scope(self._live_engine(), self._label) as connection:
+            yield connection
 
     def _write(self, work: Callable[[Session], _T], what: str) -> _T:
         if self._readonly:
@@ -279,6 +252,22 @@ class PlanRegistry:
             # The cache must never outlive a change made through this handle;
             # clearing after a failed write only costs a re-query.
             self._cache.clear()
+
+
+def _serve(
+    connection: Connection,
+    pointer: reads.FoundPlan,
+    source_hashes: Mapping[str, str] | None,
+    *,
+    fallback: bool,
+) -> StoredPlan:
+    """The pointer's plan, or a current measured one when the pointer's source is stale."""
+    stored = pointer.stored(fallback=fallback, source_hashes=source_hashes)
+    if stored.stale and source_hashes:
+        current = reads.fastest_current_measured(connection, pointer, source_hashes)
+        if current is not None:
+            return current.stored(fallback=fallback, source_hashes=source_hashes)
+    return stored
 
 
 def _serve_order(stored: StoredPlan) -> tuple[int, float, int]:

@@ -76,6 +76,21 @@ def read_state(connection: Connection) -> SchemaState:
     return str(found[0])
 
 
+def _quick_revision(connection: Connection) -> str | None:
+    """The revision by one SELECT (the usual case, and the cold-open budget is 5 ms);
+    None when that does not work and the full inspection must decide."""
+    try:
+        with connection.begin():
+            # exec_driver_sql: nothing to compile, the cheapest statement SQLAlchemy runs.
+            found = list(
+                connection.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalars()
+            )
+    except SQLAlchemyError:
+        # No version table, or not a database at all: read_state tells which.
+        return None
+    return str(found[0]) if len(found) == 1 else None
+
+
 def refusal(state: SchemaState, label: str) -> RegistryError:
     """Why a database at ``state`` cannot be used by this code, with the fix."""
     fix = upgrade_command(label)
@@ -100,8 +115,11 @@ def refusal(state: SchemaState, label: str) -> RegistryError:
 def verify(engine: Engine, label: str, *, create: bool) -> None:
     """Refuse a database this code cannot use; create an empty one when ``create``."""
     try:
-        with engine.connect() as connection, connection.begin():
-            state = read_state(connection)
+        with engine.connect() as connection:
+            state = _quick_revision(connection)
+            if state is None:
+                with connection.begin():
+                    state = read_state(connection)
     except SQLAlchemyError as e:
         raise registry_error(e, label) from e
     if state == HEAD_REVISION:

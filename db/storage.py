@@ -26,6 +26,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from urllib.parse import quote
 
+# Imported up front: SQLAlchemy loads a dialect on the first create_engine for
+# its URL (35 ms for SQLite); paying that at import keeps the first open cheap.
+import sqlalchemy.dialects.sqlite  # noqa: F401
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
@@ -41,6 +44,11 @@ BEGIN_MODE_OPTION = "registry_sqlite_begin"  # "DEFERRED" (reads) or "IMMEDIATE"
 FOREIGN_KEYS_OFF_OPTION = "registry_sqlite_foreign_keys_off"  # migrations only
 
 _NOT_A_DATABASE = ("file is not a database", "malformed", "not a database", "corrupt")
+
+
+# Parsed once at import: checks the default, and compiles SQLAlchemy's URL
+# pattern (about 1 ms, done lazily otherwise) outside the cold-open path.
+DEFAULT = make_url(DEFAULT_URL)
 
 
 def parse_url(url: str) -> URL:
@@ -189,6 +197,20 @@ def session_scope(engine: Engine, label: str, *, write: bool) -> Iterator[Sessio
         raise
     finally:
         session.close()
+
+
+@contextmanager
+def read_scope(engine: Engine, label: str) -> Iterator[Connection]:
+    """A connection in one read transaction (one consistent snapshot).
+
+    Reads use a Core connection, not a Session: they run text statements only
+    (``db.reads``), and skipping the ORM session keeps the deploy-time lookup cheap.
+    """
+    try:
+        with engine.connect() as connection, connection.begin():
+            yield connection
+    except SQLAlchemyError as e:
+        raise registry_error(e, label) from e
 
 
 def _rollback_quietly(session: Session) -> None:

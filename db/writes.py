@@ -7,21 +7,21 @@ on SQLite); nothing here commits.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from sqlalchemy import ColumnElement, Select, and_, or_, select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from db import ranking
 from db.models import BestPlanRow, EnvironmentRow, PlanRow, ProblemRow
-from db.records import PlanRecord, RecordOutcome, RecordStatus, StoredPlan
+from db.reads import record_of
+from db.records import PlanRecord, RecordOutcome, RecordStatus
 from tuner.environment import Environment
 from tuner.problem import Problem
 
-PlanTriple = tuple[PlanRow, ProblemRow, EnvironmentRow]
 _Row = TypeVar("_Row", EnvironmentRow, ProblemRow, BestPlanRow)
 
 
@@ -92,10 +92,27 @@ def problem_row(session: Session, problem: Problem) -> ProblemRow:
     return row
 
 
+def resolve_ids(session: Session, problem: Problem, environment: Environment) -> tuple[int, int]:
+    """(problem id, environment id), inserting either row when new."""
+    return problem_row(session, problem).id, environment_row(session, environment).id
+
+
 def record_plan(
     session: Session,
     problem: Problem,
     environment: Environment,
+    record: PlanRecord,
+    created_at: datetime,
+    source_hashes: Mapping[str, str] | None,
+) -> RecordOutcome:
+    problem_id, environment_id = resolve_ids(session, problem, environment)
+    return record_plan_at(session, problem_id, environment_id, record, created_at, source_hashes)
+
+
+def record_plan_at(
+    session: Session,
+    problem_id: int,
+    environment_id: int,
     record: PlanRecord,
     created_at: datetime,
     source_hashes: Mapping[str, str] | None,
@@ -106,8 +123,6 @@ def record_plan(
     (locked on servers by FOR UPDATE), so a concurrent writer cannot slip a
     better plan in between the read and the update.
     """
-    problem_id = problem_row(session, problem).id
-    environment_id = environment_row(session, environment).id
     plan = _plan_row(record, problem_id, environment_id, created_at)
     session.add(plan)
     session.flush()
@@ -128,3 +143,34 @@ def record_plan(
         session.flush()
         return RecordOutcome(RecordStatus.REPLACED_BEST, plan.id, plan.id)
     return RecordOutcome(RecordStatus.KEPT_PREVIOUS_BEST, plan.id, incumbent.id)
+
+
+# Candidates for "already stored": same problem, environment, family, source and time.
+_SAME_PLAN = select(PlanRow).where(
+    PlanRow.problem_id == bindparam("problem_id"),
+    PlanRow.environment_id == bindparam("environment_id"),
+    PlanRow.family == bindparam("family"),
+    PlanRow.source_hash == bindparam("source_hash"),
+    PlanRow.created_at == bindparam("created_at"),
+)
+
+
+def is_duplicate(
+    session: Session,
+    problem_id: int,
+    environment_id: int,
+    record: PlanRecord,
+    created_at: datetime,
+) -> bool:
+    """Whether a plan equal in every field is stored already (for idempotent import)."""
+    candidates = session.scalars(
+        _SAME_PLAN,
+        {
+            "problem_id": problem_id,
+            "environment_id": environment_id,
+            "family": record.family,
+            "source_hash": record.source_hash,
+            "created_at": created_at,
+        },
+    )
+    return any(record_of(row) == record for row in candidates)
