@@ -7,9 +7,11 @@
     python -m db import plans.json
     python -m db upgrade [--url URL]
 
-Every subcommand takes ``--url`` (default ``sqlite:///db/plans.sqlite``).
-Queries open the registry read-only. Errors print one line on stderr and exit
-non-zero, never a traceback.
+Every subcommand takes ``--url`` (default ``sqlite:///db/plans.sqlite``,
+relative to the working directory). Queries open the registry read-only. A
+database at an older schema revision is refused, by readers and writers, until
+``upgrade`` is run on it. Exit status: 0 ok, 1 error (one line on stderr, never
+a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null).
 """
 
 from __future__ import annotations

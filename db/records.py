@@ -51,6 +51,15 @@ class PlanRecord:
             raise ValueError(f"params must map names to ints, got {self.params!r}")
         # A private copy: the record is frozen, its params must not change under it.
         object.__setattr__(self, "params", dict(self.params))
+        for name in ("predicted_read_bytes", "predicted_write_bytes", "trial_number"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        for name in ("predicted_read_bytes", "predicted_write_bytes"):
+            value = getattr(self, name)
+            # The planner's figures are saturating u64: anything outside is a bug upstream.
+            if value is not None and not 0 <= value < 1 << 64:
+                raise ValueError(f"{name} must fit an unsigned 64-bit integer, got {value}")
         if self.measured and self.median_ms is None:
             raise ValueError("a measured plan needs median_ms")
         if self.median_ms is None and self.predicted_ms is None:

@@ -48,7 +48,7 @@ _NOT_A_DATABASE = ("file is not a database", "malformed", "not a database", "cor
 
 # Parsed once at import: checks the default, and compiles SQLAlchemy's URL
 # pattern (about 1 ms, done lazily otherwise) outside the cold-open path.
-DEFAULT = make_url(DEFAULT_URL)
+_DEFAULT_PARSED = make_url(DEFAULT_URL)
 
 
 def parse_url(url: str) -> URL:

@@ -12,7 +12,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, event
 
 from db import (
     BestPlanCache,
@@ -101,6 +101,47 @@ def test_writer_creates_parent_directory_and_wal_file(tmp_path: Path) -> None:
     connection = sqlite3.connect(path)
     assert connection.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     connection.close()
+
+
+def test_writes_take_the_lock_up_front_and_connections_are_configured(
+    registry: PlanRegistry,
+) -> None:
+    engine = registry._live_engine()
+    statements: list[str] = []
+
+    def capture(_conn, _cursor, statement, _params, _context, _many) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        registry.record(SHAPE, H200, measured(1.0))
+        assert statements[0] == "BEGIN IMMEDIATE"  # before the first read of the write
+        statements.clear()
+        registry.best(SHAPE, H200)
+        assert statements[0] == "BEGIN DEFERRED"
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    with engine.connect() as connection:
+        pragma = connection.exec_driver_sql
+        assert pragma("PRAGMA busy_timeout").scalar() == 30_000
+        assert pragma("PRAGMA foreign_keys").scalar() == 1
+        assert pragma("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_an_empty_file_is_created_by_a_writer_and_refused_by_a_reader(tmp_path: Path) -> None:
+    path = tmp_path / "empty.sqlite"
+    path.touch()
+    url = f"sqlite:///{path}"
+    with pytest.raises(RegistryError, match="is empty"):
+        PlanRegistry.open(url, readonly=True)
+    PlanRegistry.open(url).close()
+    PlanRegistry.open(url, readonly=True).close()
+
+
+def test_an_in_memory_registry_works() -> None:
+    with PlanRegistry.open("sqlite://") as registry:
+        registry.record(SHAPE, H200, measured(1.0))
+        assert registry.best(SHAPE) is not None
 
 
 def test_writer_refuses_a_path_it_cannot_create(tmp_path: Path) -> None:
@@ -496,6 +537,9 @@ def test_import_refuses_a_bad_export(
         {"measured": True, "median_ms": float("nan")},
         {"measured": True, "median_ms": 1.0, "params": {"tile_size": "64"}},
         {"measured": 1, "median_ms": 1.0},
+        {"measured": True, "median_ms": 1.0, "predicted_read_bytes": -1},
+        {"measured": True, "median_ms": 1.0, "predicted_write_bytes": 1 << 64},
+        {"measured": True, "median_ms": 1.0, "trial_number": 1.5},
     ],
 )
 def test_plan_record_rejects_invalid_values(kwargs: dict) -> None:
