@@ -41,7 +41,6 @@ class ModelBackend(Backend):
             median_ms=time_ms,
             tflops=problem.useful_flops / seconds / 1e12,
             gbps=plan.global_bytes / seconds / 1e9,
-            detail=f"predicted by the cost model for {self.device.name}",
         )
 
     def environment(self) -> dict[str, str | int]:

@@ -71,20 +71,25 @@ class ReplayEntry:
         data: dict[str, Any] = {
             "key": self.key,
             "params": dict(self.params),
-            "median_ms": self.median_ms,
-            "spread_ms": self.spread_ms,
-            "max_abs_error": self.max_abs_error,
+            "median_ms": _significant(self.median_ms),
+            "spread_ms": _significant(self.spread_ms),
+            "max_abs_error": _significant(self.max_abs_error),
             "failure": None if self.failure is None else str(self.failure),
             "detail": self.detail,
         }
         optional = {
-            "tflops": self.tflops,
-            "gbps": self.gbps,
+            "tflops": _significant(self.tflops),
+            "gbps": _significant(self.gbps),
             "repetitions": self.repetitions or None,
-            "predicted_ms": self.predicted_ms,
+            "predicted_ms": _significant(self.predicted_ms),
         }
         data.update({name: value for name, value in optional.items() if value is not None})
         return data
+
+
+def _significant(value: float | None) -> float | None:
+    """Six significant digits: beyond what a timing resolves, and half the file size."""
+    return None if value is None else float(f"{value:.6g}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +143,21 @@ def load_recordings(path: str | Path) -> list[Recording]:
 
 
 def write_recordings(path: str | Path, recordings: Sequence[Recording]) -> None:
-    """Write one recording as an object, several as a list (the format above)."""
-    body: Any = [r.as_json() for r in recordings]
-    if len(recordings) == 1:
-        body = body[0]
-    Path(path).write_text(json.dumps(body, indent=1) + "\n")
+    """Write one recording as an object, several as a list (the format above).
+
+    One measurement per line: a file of hundreds of plans stays readable, and
+    a re-recording diffs line by line.
+    """
+    blocks = [_dump(r.as_json()) for r in recordings]
+    text = blocks[0] if len(blocks) == 1 else "[\n" + ",\n".join(blocks) + "\n]"
+    Path(path).write_text(text + "\n")
+
+
+def _dump(block: dict[str, Any]) -> str:
+    measurements = block.pop("measurements")
+    head = json.dumps(block, indent=1).removesuffix("\n}")
+    rows = ",\n  ".join(json.dumps(m) for m in measurements)
+    return f'{head},\n "measurements": [\n  {rows}\n ]\n}}'
 
 
 def _describe(error: Exception) -> str:

@@ -1,0 +1,196 @@
+"""The replay format, its loader and backend, and the recorder that writes it.
+
+``tests/data/replay_model_512x64.json`` was written by
+``python bench/record_replay.py --backend model --shape 512x64 --out ...``: the
+cost model's figures, so it says ``"measured": false``; it tests the format,
+not the search's quality (``test_search`` does that on ``bench/data/`` files).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.backends import BackendFactory, make_backend
+from kernels.backends.base import Failure, Measurement
+from kernels.backends.replay import (
+    FORMAT,
+    ReplayBackend,
+    load_recordings,
+    recording_from,
+    write_recordings,
+)
+from tuner.config import BackendConfig
+from tuner.device import H200
+from tuner.environment import Environment
+from tuner.errors import BackendError
+from tuner.planner import KernelParams, candidate_space, plan_kernel
+from tuner.problem import Problem
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
+PROBLEM = Problem(512, 64)
+H200_ENVIRONMENT = Environment("NVIDIA H200", "9.0", 132, driver_version="580.159")
+
+
+def tiled(tile: int = 32, rows: int = 32, threads: int = 128, split: int = 4, problem=PROBLEM):
+    return plan_kernel(problem, KernelParams("tiled", threads, tile, rows, split), H200)
+
+
+def gpu_recording(path: Path, *, measured: bool = True, environment=H200_ENVIRONMENT) -> Path:
+    ok, failed = tiled(), tiled(tile=16)
+    results = [
+        (
+            ok,
+            Measurement(True, 0.25, 0.01, 30, 2e-7, tflops=1.0, gbps=100.0),
+            0.2,
+        ),
+        (failed, Measurement.failed(Failure.WRONG_ANSWER, "max |err| 0.5 > 0.001"), 0.3),
+    ]
+    recording = recording_from(PROBLEM, environment, measured, "cmd", "2026-12-02", results)
+    write_recordings(path, [recording])
+    return path
+
+
+def test_the_fixture_replays_every_feasible_plan_as_a_prediction():
+    backend = ReplayBackend(FIXTURE)
+    assert not backend.measured
+    assert backend.environment()["gpu_name"] == "model"
+    recording = backend.recording_for(PROBLEM)
+    assert recording.command.startswith("python bench/record_replay.py --backend model")
+    for plan in candidate_space(PROBLEM, H200).feasible:
+        result = backend.measure(plan, PROBLEM)
+        assert result.ok and not result.measured, plan.key()
+        assert result.median_ms == recording.entries[plan.key()].median_ms
+        assert result.tflops and result.gbps
+
+
+def test_gpu_timings_are_served_as_measured_with_their_evidence(tmp_path):
+    backend = ReplayBackend(gpu_recording(tmp_path / "gpu.json"))
+    assert backend.measured
+    assert backend.environment() == H200_ENVIRONMENT.as_dict()
+    result = backend.measure(tiled(), PROBLEM)
+    assert result.measured and result.ok
+    assert (result.median_ms, result.spread_ms, result.max_abs_error) == (0.25, 0.01, 2e-7)
+    assert result.repetitions == 30
+
+
+def test_a_recorded_failure_is_replayed_as_that_failure(tmp_path):
+    backend = ReplayBackend(gpu_recording(tmp_path / "gpu.json"))
+    result = backend.measure(tiled(tile=16), PROBLEM)
+    assert result.failure == Failure.WRONG_ANSWER
+    assert result.detail == "max |err| 0.5 > 0.001" and result.median_ms is None
+
+
+def test_a_plan_missing_from_the_file_is_a_failure_saying_so(tmp_path):
+    backend = ReplayBackend(gpu_recording(tmp_path / "gpu.json"))
+    result = backend.measure(tiled(tile=64), PROBLEM)
+    assert result.failure == Failure.INFEASIBLE and not result.measured
+    assert "tiled/b64/r32/t128/s2 is not in replay file gpu.json (2 plans recorded)" in (
+        result.detail
+    )
+
+
+def test_a_problem_missing_from_the_file_is_a_run_level_error_or_a_failure():
+    backend = ReplayBackend(FIXTURE)
+    other = Problem(1024, 64)
+    with pytest.raises(BackendError, match="has no recording of 1x1x1024x64 float32 full"):
+        backend.recording_for(other)
+    result = backend.measure(tiled(problem=other), other)
+    assert result.failure == Failure.INFEASIBLE
+
+
+def test_measured_needs_both_the_flag_and_a_gpu(tmp_path):
+    unflagged = ReplayBackend(gpu_recording(tmp_path / "a.json", measured=False))
+    assert not unflagged.measure(tiled(), PROBLEM).measured
+    model = Environment("model", "9.0", 132)
+    with pytest.raises(BackendError, match="says measured but its environment is the cost model"):
+        ReplayBackend(gpu_recording(tmp_path / "b.json", environment=model))
+
+
+def test_a_file_may_hold_several_problems(tmp_path):
+    path = gpu_recording(tmp_path / "one.json")
+    first = load_recordings(path)[0]
+    other = Problem(512, 64, causal=True)
+    second = recording_from(
+        other,
+        H200_ENVIRONMENT,
+        True,
+        "cmd",
+        "2026-12-02",
+        [(tiled(problem=other), Measurement(True, 0.125), None)],
+    )
+    write_recordings(tmp_path / "two.json", [first, second])
+    assert isinstance(json.loads((tmp_path / "two.json").read_text()), list)
+    backend = ReplayBackend(tmp_path / "two.json")
+    assert backend.measure(tiled(problem=other), other).median_ms == 0.125
+    assert backend.measure(tiled(), PROBLEM).median_ms == 0.25
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    path = gpu_recording(tmp_path / "gpu.json")
+    (recording,) = load_recordings(path)
+    write_recordings(tmp_path / "again.json", [recording])
+    assert load_recordings(tmp_path / "again.json") == [recording]
+    assert recording.entries[tiled().key()].predicted_ms == 0.2
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(format=FORMAT + 1), "format 2 is not supported"),
+        (lambda d: d.pop("environment"), "missing field 'environment'"),
+        (lambda d: d.update(measured="yes"), "'measured' must be true or false"),
+        (lambda d: d["measurements"][0].update(median_ms=None), "no failure and no positive"),
+        (lambda d: d["measurements"][1].update(failure="MELTED"), "'MELTED' is not a valid"),
+        (lambda d: d["measurements"].append(d["measurements"][0]), "recorded twice"),
+    ],
+)
+def test_a_malformed_file_is_refused_with_a_reason(tmp_path, edit, message):
+    data = json.loads(gpu_recording(tmp_path / "gpu.json").read_text())
+    edit(data)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(BackendError, match=message):
+        ReplayBackend(tmp_path / "bad.json")
+
+
+def test_unreadable_files_are_refused_with_a_reason(tmp_path):
+    with pytest.raises(BackendError, match="cannot read replay file"):
+        ReplayBackend(tmp_path / "missing.json")
+    (tmp_path / "text.json").write_text("not json")
+    with pytest.raises(BackendError, match="is not JSON"):
+        ReplayBackend(tmp_path / "text.json")
+
+
+def test_make_backend_builds_the_replay_backend_from_the_config():
+    config = BackendConfig(name="replay", replay_path=str(FIXTURE))
+    backend = make_backend("replay", config)
+    assert isinstance(backend, ReplayBackend)
+    assert isinstance(BackendFactory("replay", config)(), ReplayBackend)
+
+
+def test_the_recorder_writes_and_appends_recordings(tmp_path):
+    out = tmp_path / "model.json"
+    script = str(ROOT / "bench" / "record_replay.py")
+    for shape in ("256x64", "1x2x256x32"):
+        done = subprocess.run(
+            [sys.executable, script, "--backend", "model", "--shape", shape, "--out", str(out)]
+            + (["--append"] if shape != "256x64" else []),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"written: {out}" in done.stdout
+    recordings = load_recordings(out)
+    assert [r.problem for r in recordings] == [Problem(256, 64), Problem(256, 32, heads=2)]
+    for recording in recordings:
+        feasible = candidate_space(recording.problem, H200).feasible
+        assert set(recording.entries) == {plan.key() for plan in feasible}
+        assert not recording.measured and recording.environment.gpu_name == "model"
+        assert "--backend model" in recording.command and recording.date.startswith("20")
