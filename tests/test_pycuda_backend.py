@@ -442,3 +442,16 @@ def test_launch_refusals_are_told_from_faults_by_the_drivers_message() -> None:
     assert launch_refused("cuLaunchKernel failed: invalid argument")
     assert not launch_refused("cuCtxSynchronize failed: an illegal memory access was encountered")
     assert not launch_refused("cuLaunchKernel failed: unspecified launch failure")
+
+
+def test_inputs_and_a_single_output_for_peers(gpu: FakeGpu) -> None:
+    problem = Problem(40, 16, batch=2, heads=1, causal=True)
+    measuring = backend()
+    q, k, v = measuring.inputs(problem)
+    assert q.shape == (2, 40, 16) and q.dtype == np.float32
+    assert q.std() > 0.5  # random normal, never zeros
+    again = measuring.inputs(problem)[0]
+    assert again is q  # the same arrays every candidate runs on
+    out = measuring.output(tiled(problem, 16, 16, 64, 1), problem)
+    np.testing.assert_allclose(out, attention_reference(q, k, v, True), atol=1e-5)
+    assert gpu.flushes == []  # no timing

@@ -112,6 +112,7 @@ class PyCudaBackend(Backend):
         flush_l2: bool = True,
         seed: int = 0,
         tolerance: float = FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS,
+        judge_resources: bool = True,
     ) -> None:
         self.device_index = device_index
         self.cache_dir = Path(cache_dir).expanduser()
@@ -120,6 +121,8 @@ class PyCudaBackend(Backend):
         self.flush_l2 = flush_l2
         self.seed = seed
         self.tolerance = tolerance
+        #: False runs plans ptxas reports as spilling (correctness tests; never for tuning)
+        self.judge_resources = judge_resources
         self.context_lost = False
         self._lost_reason = ""
         self._drv: Any = None
@@ -270,6 +273,52 @@ class PyCudaBackend(Backend):
         )
 
     def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
+        self._check_usable(plan, problem)
+        if not plan.feasible:
+            return Measurement.failed(Failure.INFEASIBLE, plan.reason, measured=False)
+        device = self.device_profile()
+        compiled = build.compile_kernel(plan, self.cache_dir, arch=device.arch)
+        if isinstance(compiled, build.CompileFailure):
+            return Measurement.failed(Failure.COMPILE, compiled.reason, measured=False)
+        judged = plan.with_resources(compiled.primary_resources, device)
+        if not judged.feasible and self.judge_resources:
+            return Measurement.failed(Failure.INFEASIBLE, judged.reason, measured=False)
+        with self._active() as drv:
+            try:
+                return self._measure_loaded(drv, judged, compiled)
+            except _LaunchRefused as refused:
+                return Measurement.failed(Failure.RESOURCES, str(refused))
+            except _DeviceFault as fault:
+                self._lose(fault)
+                return Measurement.failed(Failure.RUNTIME_DEVICE, str(fault))
+
+    def inputs(self, problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host copies of the problem's inputs (q, k, v as ``[batch*heads, seq_len,
+        head_dim]`` float32) that every candidate runs on, so peers can be timed on them too."""
+        with self._active() as drv:
+            state = self._problem_state(drv, problem)
+        return state.host_q, state.host_k, state.host_v
+
+    def output(self, plan: KernelPlan, problem: Problem) -> np.ndarray:
+        """One run of ``plan`` on ``inputs(problem)``, its output copied back: no checks, no timing.
+
+        Raises ``BackendError`` when the plan cannot run (``DeviceContextLost`` on a fault).
+        """
+        self._check_usable(plan, problem)
+        compiled = build.compile_kernel(plan, self.cache_dir, arch=self.device_profile().arch)
+        if isinstance(compiled, build.CompileFailure):
+            raise BackendError(f"{plan.key()} does not compile: {compiled.reason}")
+        with self._active() as drv:
+            try:
+                state, run = self._prepare(drv, plan, compiled)
+                return self._run_once(drv, state, run)
+            except _LaunchRefused as refused:
+                raise BackendError(f"{plan.key()} cannot launch: {refused}") from refused
+            except _DeviceFault as fault:
+                self._lose(fault)
+                raise DeviceContextLost(f"{plan.key()} faulted: {fault}") from fault
+
+    def _check_usable(self, plan: KernelPlan, problem: Problem) -> None:
         if self.context_lost:
             raise DeviceContextLost(
                 f"the CUDA context was lost earlier ({self._lost_reason}); "
@@ -279,28 +328,15 @@ class PyCudaBackend(Backend):
             raise ValueError(
                 f"{plan.key()} was planned for {plan.problem.label()}, not {problem.label()}"
             )
-        if not plan.feasible:
-            return Measurement.failed(Failure.INFEASIBLE, plan.reason, measured=False)
-        device = self.device_profile()
-        compiled = build.compile_kernel(plan, self.cache_dir, arch=device.arch)
-        if isinstance(compiled, build.CompileFailure):
-            return Measurement.failed(Failure.COMPILE, compiled.reason, measured=False)
-        judged = plan.with_resources(compiled.primary_resources, device)
-        if not judged.feasible:
-            return Measurement.failed(Failure.INFEASIBLE, judged.reason, measured=False)
-        with self._active() as drv:
-            try:
-                return self._measure_loaded(drv, judged, compiled)
-            except _LaunchRefused as refused:
-                return Measurement.failed(Failure.RESOURCES, str(refused))
-            except _DeviceFault as fault:
-                self.context_lost = True
-                self._lost_reason = str(fault)
-                return Measurement.failed(Failure.RUNTIME_DEVICE, str(fault))
 
-    def _measure_loaded(
+    def _lose(self, fault: Exception) -> None:
+        self.context_lost = True
+        self._lost_reason = str(fault)
+
+    def _prepare(
         self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel
-    ) -> Measurement:
+    ) -> tuple[_ProblemState, Callable[[], None]]:
+        """The problem's state and a closure launching ``plan`` once (nothing run yet)."""
         state = self._problem_state(drv, plan.problem)
         functions = self._functions(drv, compiled)
         launches = launch_sequence(plan, self._buffers(drv, state, plan))
@@ -308,6 +344,12 @@ class PyCudaBackend(Backend):
         def run() -> None:
             self._launch(drv, functions, launches)
 
+        return state, run
+
+    def _measure_loaded(
+        self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel
+    ) -> Measurement:
+        state, run = self._prepare(drv, plan, compiled)
         output = self._run_once(drv, state, run)
         parity = state.reference.check(output, self.tolerance)
         if parity.ok and not full_check(plan.problem):
@@ -442,9 +484,8 @@ class PyCudaBackend(Backend):
         compiled = build.compile_kernel(plan, self.cache_dir, arch=self.device_profile().arch)
         if isinstance(compiled, build.CompileFailure):
             raise BackendError(f"the scalar reference kernel does not compile: {compiled.reason}")
-        functions = self._functions(drv, compiled)
-        launches = launch_sequence(plan, self._buffers(drv, state, plan))
-        output = self._run_once(drv, state, lambda: self._launch(drv, functions, launches))
+        _, run = self._prepare(drv, plan, compiled)
+        output = self._run_once(drv, state, run)
         check = state.reference.check(output, self.tolerance)
         if not check.ok:
             raise BackendError(
