@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="current kernel source hash; measured plans under another hash are stale",
     )
 
-    parser = _OneLineParser(prog="python -m db", description=__doc__.split("\n\n")[0])
+    parser = _OneLineParser(
+        prog="python -m db", description="Query, export, import and upgrade the plan registry."
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     best = commands.add_parser(
         "best", parents=[common, shape, hashes], help="the plan served for a shape"
