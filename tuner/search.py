@@ -461,12 +461,15 @@ def run_search(
     study_name: str,
     predictions: Mapping[str, Prediction],
     progress: Progress | None = None,
+    on_start: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
     """Run (or continue) the study ``study_name`` until ``settings.n_trials`` count.
 
-    Returns every trial of the study. Ctrl-C ends it cleanly: the trial in
-    flight is marked FAIL (``outcome=interrupted``), finished trials stay in
-    the storage, and the result says ``interrupted``.
+    ``on_start(done, n_trials)`` is called before the first new trial and
+    ``progress(trial)`` after each. Returns every trial of the study. Ctrl-C
+    ends it cleanly: the trial in flight is marked FAIL
+    (``outcome=interrupted``), finished trials stay in the storage, and the
+    result says ``interrupted``.
     """
     if isinstance(storage, str):
         storage = open_storage(storage)
@@ -496,6 +499,8 @@ def run_search(
                 p for p in search.allowed[: settings.enqueue_top] if p.key() not in search.evaluated
             ]
             result.enqueued = search.enqueue(top, "cost model top")
+            if on_start is not None:
+                on_start(search.counted, settings.n_trials)
             started = time.monotonic()
             try:
                 study.optimize(

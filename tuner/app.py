@@ -1,0 +1,276 @@
+"""One tune run, from a validated config to a stored plan: ``run(validated) -> exit status``.
+
+1. Pick the backend (``auto``: PyCUDA when a CUDA device answers, else the cost
+   model) and say which and why in one line.
+2. Plan the candidate space on the device profile (the live GPU's for PyCUDA,
+   the config's otherwise); for PyCUDA compile it first, in parallel, and drop
+   what the compiler rules out (``tuner.precompile``).
+3. Search (``tuner.search``): an Optuna study that continues where the last
+   run of the same command stopped, with a progress bar on stderr.
+4. Print the best plans, store the best one with its evidence in the registry
+   (as measured only for GPU timings), and write PNG plots into the run
+   directory (Hydra's output directory when run from the CLI).
+
+Ctrl-C during the search ends it cleanly: finished trials stay in the study,
+the best so far is printed and stored (the output says so), measurement
+workers are stopped, and the exit status is 130. Every run-level problem is a
+``TunerError`` (one line at the CLI); failures of single candidates are values.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
+
+from db import PlanRecord, PlanRegistry, RecordStatus
+from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
+from tuner import plots, report
+from tuner.config import ValidatedConfig, space_axes_from
+from tuner.costmodel import predict
+from tuner.device import DeviceProfile
+from tuner.environment import Environment
+from tuner.errors import ConfigError
+from tuner.isolation import IsolatedBackend
+from tuner.planner.errors import PlanError
+from tuner.planner.space import candidate_space
+from tuner.planner.tunable import KernelParams, KernelPlan
+from tuner.precompile import precompile
+from tuner.problem import Problem
+from tuner.search import SearchResult, TrialOutcome, encoding_for, open_storage, run_search
+from tuner.study_names import default_storage_url, study_name
+from tuner.study_space import StudySpace
+
+EXIT_INTERRUPTED = 130
+TOP_ROWS = 5
+_STATUS_WORDS = {
+    RecordStatus.STORED_NEW_BEST: "the first plan of this problem and environment",
+    RecordStatus.REPLACED_BEST: "replaces the previous best",
+    RecordStatus.KEPT_PREVIOUS_BEST: "kept as history; the previous best stays",
+}
+
+
+def run(
+    validated: ValidatedConfig, *, output_dir: str | Path | None = None, out: TextIO | None = None
+) -> int:
+    """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored)."""
+    out = out or sys.stdout
+    config, problem = validated.config, validated.problem
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    choice = choose_backend(config.backend)
+    backend = _build_backend(choice, validated)
+    try:
+        say(choice.line(_measures_on_a_gpu(choice, backend)))
+        device = _device_profile(choice, backend, validated.device)
+        environment = Environment(**backend.environment())  # type: ignore[arg-type]
+        feasible, rejected = _candidates(choice, validated, device)
+        predictions = {plan.key(): predict(plan, device) for plan in feasible}
+        hashes = _source_hashes()
+        name = config.search.study_name or study_name(problem, environment, hashes)
+        storage_url = config.search.storage or default_storage_url(config.registry.url)
+        storage = open_storage(storage_url)
+        say(
+            f"study: {name} in {storage_url} ({len(feasible)} feasible candidates, "
+            f"{len(rejected)} rejected; optuna-dashboard {storage_url} shows it)"
+        )
+        space = StudySpace(
+            problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
+        )
+        with _ProgressBar() as progress:
+            result = run_search(
+                space,
+                backend,
+                config.search,
+                storage=storage,
+                study_name=name,
+                predictions=predictions,
+                progress=progress,
+                on_start=progress.start,
+            )
+    finally:
+        backend.close()
+
+    if result.interrupted:
+        say("interrupted: the study keeps its finished trials; the best so far follows")
+    say(report.best_table(result, TOP_ROWS))
+    for line in report.summary_lines(result):
+        say(line)
+    say(_store_best(result, problem, environment, hashes, config.registry.url))
+    say(_write_plots(result, problem, output_dir))
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+# ---------------------------------------------------------------------- backend
+
+
+def _build_backend(choice: BackendChoice, validated: ValidatedConfig) -> Backend:
+    """The backend, not started yet. PyCUDA measures in worker processes unless
+    ``backend.isolate=false``; the model and replay backends run in this process
+    (they only read numbers: nothing there can crash or hang)."""
+    config = validated.config
+    if choice.name == "pycuda" and config.backend.isolate:
+        factory = BackendFactory("pycuda", config.backend, device=validated.device)
+        return IsolatedBackend(factory, config.search.trial_timeout_s, name="pycuda")
+    backend = make_backend(choice.name, config.backend, device=validated.device)
+    if choice.name == "replay":
+        backend.recording_for(validated.problem)  # type: ignore[attr-defined]
+    return backend
+
+
+def _measures_on_a_gpu(choice: BackendChoice, backend: Backend) -> bool:
+    if choice.name == "pycuda":
+        return True
+    return bool(getattr(backend, "measured", False))
+
+
+def _device_profile(
+    choice: BackendChoice, backend: Backend, configured: DeviceProfile
+) -> DeviceProfile:
+    """The live GPU's limits for PyCUDA (read by its worker), else the configured profile."""
+    if choice.name != "pycuda":
+        return configured
+    live = getattr(backend, "device_profile", None)
+    profile = live() if callable(live) else None
+    return profile or configured
+
+
+# ---------------------------------------------------------------------- candidates
+
+
+def _candidates(
+    choice: BackendChoice, validated: ValidatedConfig, device: DeviceProfile
+) -> tuple[list[KernelPlan], list[KernelPlan]]:
+    problem, config = validated.problem, validated.config
+    try:
+        space = candidate_space(problem, device, space_axes_from(config.search))
+    except PlanError as error:
+        raise ConfigError(f"{problem.label()} cannot be planned: {error}") from error
+    feasible, rejected = list(space.feasible), list(space.rejected)
+    if choice.name == "pycuda" and feasible:
+        feasible, compiled_out = precompile(
+            feasible, device, config.backend.cache_dir, config.backend.compile_jobs
+        )
+        rejected += compiled_out
+    if not feasible:
+        raise ConfigError(
+            f"no feasible candidate for {problem.label()} on {device.name}: "
+            f"all {len(rejected)} rejected (first: {rejected[0].reason if rejected else '-'})"
+        )
+    return feasible, rejected
+
+
+def _source_hashes() -> dict[str, str]:
+    from kernels import build
+
+    return {family: build.source_hash(family) for family in build.SOURCES}
+
+
+# ---------------------------------------------------------------------- results
+
+
+def _store_best(
+    result: SearchResult,
+    problem: Problem,
+    environment: Environment,
+    source_hashes: Mapping[str, str],
+    registry_url: str,
+) -> str:
+    best = result.best
+    if best is None:
+        return "registry: nothing stored (no candidate produced a time)"
+    record = plan_record(best, source_hashes, result.study_name)
+    with PlanRegistry.open(registry_url) as registry:
+        outcome = registry.record(problem, environment, record, source_hashes=source_hashes)
+        where = registry.url
+    kind = "measured" if record.measured else "predicted"
+    so_far = "best so far " if result.interrupted else ""
+    return (
+        f"registry: {so_far}{best.key} ({best.median_ms:.4f} ms, {kind}) stored in {where} "
+        f"for {problem.label()} on {environment.gpu_name}: {_STATUS_WORDS[outcome.status]}"
+    )
+
+
+def plan_record(
+    best: TrialOutcome, source_hashes: Mapping[str, str], study: str | None = None
+) -> PlanRecord:
+    """The registry's record of a trial: the plan's parameters and all its evidence."""
+    family = str(best.params["family"])
+    params = {
+        name: int(best.params[name])
+        for name in KernelParams.__dataclass_fields__
+        if name != "family" and name in best.params
+    }
+    return PlanRecord(
+        family=family,
+        params=params,
+        source_hash=source_hashes.get(family, ""),
+        measured=best.measured,
+        median_ms=best.median_ms,
+        spread_ms=best.spread_ms,
+        tflops=best.tflops,
+        gbps=best.gbps,
+        max_abs_error=best.max_abs_error,
+        predicted_ms=best.predicted_ms,
+        predicted_read_bytes=best.predicted_read_bytes,
+        predicted_write_bytes=best.predicted_write_bytes,
+        study_name=study,
+        trial_number=best.number,
+    )
+
+
+def _write_plots(result: SearchResult, problem: Problem, output_dir: str | Path | None) -> str:
+    if not plots.available():
+        return (
+            "plots: none (matplotlib is not installed; pip install 'flash-attention-tuner[plots]')"
+        )
+    directory = Path(output_dir) if output_dir is not None else _hydra_run_directory()
+    if directory is None:
+        return "plots: none (no run directory: not started by Hydra and none given)"
+    written = plots.write_plots(result, directory, problem.label())
+    if not written:
+        return "plots: none (no candidate produced a time)"
+    return f"plots: {', '.join(p.name for p in written)} in {directory}"
+
+
+def _hydra_run_directory() -> Path | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):  # ValueError: HydraConfig was not set (no Hydra run)
+        return None
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr over the trials that count, with the best time so far."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+        self.best = float("inf")
+
+    def start(self, done: int, total: int) -> None:
+        self.bar = tqdm(
+            total=total, initial=done, desc="trials", unit="trial", file=sys.stderr, disable=None
+        )
+
+    def __call__(self, trial: TrialOutcome) -> None:
+        if self.bar is None or not trial.counted:
+            return
+        if trial.median_ms is not None:
+            self.best = min(self.best, trial.median_ms)
+        self.bar.update(1)
+        if self.best < float("inf"):
+            self.bar.set_postfix_str(f"best {self.best:.4f} ms", refresh=False)
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
