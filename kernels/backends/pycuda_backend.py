@@ -48,7 +48,7 @@ from tuner.device import H200, PROFILES, DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
-from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
+from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel, scalar_shared_bytes
 from tuner.problem import Problem
 
 #: a quiet-NaN bit pattern: outputs are filled with it so unwritten elements fail parity
@@ -404,7 +404,7 @@ class PyCudaBackend(Backend):
         needed = buffer_elements(plan)
         capacity = state.partial_capacity
         if needed.partial_o and (capacity is None or capacity.partial_o < needed.partial_o):
-            state.partial_o = state.partial_ml = None
+            state.partial_o = state.partial_ml = state.partial_capacity = None
             try:
                 state.partial_o = drv.mem_alloc(needed.partial_o * 4)
                 state.partial_ml = drv.mem_alloc(needed.partial_ml * 4)
@@ -478,14 +478,23 @@ class PyCudaBackend(Backend):
         """The scalar kernel's output on this problem's inputs: the GPU reference, computed once."""
         if state.scalar_output is not None:
             return state.scalar_output
-        problem = state.problem
-        params = KernelParams("scalar_online", threads=SCALAR_REFERENCE_THREADS)
-        plan = plan_kernel(problem, params, self.device_profile())
-        compiled = build.compile_kernel(plan, self.cache_dir, arch=self.device_profile().arch)
+        problem, device = state.problem, self.device_profile()
+        # Its accumulators live in shared memory: a smaller block for very wide heads.
+        threads = SCALAR_REFERENCE_THREADS
+        while threads > device.warp_size and (
+            scalar_shared_bytes(threads, problem.head_dim)
+            > device.max_shared_memory_per_block_optin
+        ):
+            threads //= 2
+        plan = plan_kernel(problem, KernelParams("scalar_online", threads=threads), device)
+        compiled = build.compile_kernel(plan, self.cache_dir, arch=device.arch)
         if isinstance(compiled, build.CompileFailure):
             raise BackendError(f"the scalar reference kernel does not compile: {compiled.reason}")
-        _, run = self._prepare(drv, plan, compiled)
-        output = self._run_once(drv, state, run)
+        try:
+            _, run = self._prepare(drv, plan, compiled)
+            output = self._run_once(drv, state, run)
+        except _LaunchRefused as refused:
+            raise BackendError(f"the scalar reference kernel cannot launch: {refused}") from refused
         check = state.reference.check(output, self.tolerance)
         if not check.ok:
             raise BackendError(
