@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -283,6 +285,8 @@ class _Search:
         self.free_streak = 0
         self.new_trials: list[int] = []
         self.stop_reason = ""
+        self.measuring = False
+        self.stop_requested = False
         best_traffic = min(self._traffic(plan) for plan in space.feasible)
         self.cutoff_bytes = settings.traffic_cutoff * best_traffic
         self.allowed = [p for p in space.feasible if self._traffic(p) <= self.cutoff_bytes]
@@ -351,14 +355,19 @@ class _Search:
                 f"{self.settings.traffic_cutoff:g} x the best candidate's"
             )
             return self._prune(trial, attrs, "TRAFFIC_CUTOFF", reason)
+        self.measuring = True
         try:
             measurement = self.backend.measure(plan, self.space.problem)
         except KeyboardInterrupt:
+            self.measuring = False
+            self.stop_requested = True
             _write(trial, attrs | {"outcome": "interrupted", "failure": "INTERRUPTED"})
             raise
         except TunerError as error:  # the backend cannot go on at all: the run ends
             _write(trial, attrs | {"outcome": "error", "detail": str(error)})
             raise
+        finally:
+            self.measuring = False
         attrs |= _measurement_attrs(measurement)
         if measurement.ok:
             _write(trial, attrs | {"outcome": "measured"})
@@ -403,7 +412,9 @@ class _Search:
         self.free_streak = 0 if outcome.counted else self.free_streak + 1
         if self.progress is not None:
             self.progress(outcome)
-        if self.remaining() <= 0:
+        if self.stop_requested:
+            self.stop_reason = "interrupted (Ctrl-C)"
+        elif self.remaining() <= 0:
             self.stop_reason = f"n_trials={self.settings.n_trials} reached"
         elif not self.unevaluated():
             self.stop_reason = "every candidate within the traffic cutoff is evaluated"
@@ -412,6 +423,28 @@ class _Search:
             self.free_streak = 0
         if self.stop_reason:
             study.stop()
+
+    # ------------------------------------------------------------------ Ctrl-C
+
+    def on_sigint(self, signum: int, frame: object) -> None:
+        """Ctrl-C during a measurement interrupts it; otherwise the study stops after the
+        trial in hand. Optuna's own bookkeeping is never cut in half: an interrupt in
+        the middle of its storage writes can leave a trial it cannot finish."""
+        if self.measuring or self.stop_requested:  # a second Ctrl-C: now
+            self.stop_requested = True
+            raise KeyboardInterrupt
+        self.stop_requested = True
+
+    @contextlib.contextmanager
+    def sigint_deferred(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers belong to the main thread; leave Ctrl-C as it is
+            return
+        previous = signal.signal(signal.SIGINT, self.on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _fail_running(study: optuna.Study, numbers: list[int]) -> None:
@@ -503,16 +536,18 @@ def run_search(
                 on_start(search.counted, settings.n_trials)
             started = time.monotonic()
             try:
-                study.optimize(
-                    search.objective,
-                    timeout=settings.timeout_s,
-                    callbacks=[search.after_trial],
-                    gc_after_trial=False,
-                )
+                with search.sigint_deferred():
+                    study.optimize(
+                        search.objective,
+                        timeout=settings.timeout_s,
+                        callbacks=[search.after_trial],
+                        gc_after_trial=False,
+                    )
             except KeyboardInterrupt:
-                result.interrupted = True
+                search.stop_requested = True
                 search.stop_reason = "interrupted (Ctrl-C)"
                 _fail_running(study, search.new_trials)
+            result.interrupted = search.stop_requested
             if not search.stop_reason and settings.timeout_s is not None:
                 elapsed = time.monotonic() - started
                 search.stop_reason = f"timeout_s={settings.timeout_s:g} reached ({elapsed:.0f} s)"
