@@ -436,6 +436,8 @@ def _plan_tiled(problem: Problem, params: KernelParams, device: DeviceProfile) -
 
     if d % 4:
         reason = f"head_dim={d} is not a multiple of 4 (the tiled kernel moves float4s)"
+    elif tile % 4:
+        reason = f"tile_size={tile} is not a multiple of 4 (P.V reads the P tile as float4s)"
     if not reason:
         reason = _common_verdict(params, shared, device)
     if not reason and _larger_than_needed(tile, n, SMALLEST_TILE):
