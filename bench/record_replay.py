@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kernels import build
 from kernels.backends import BackendFactory
 from kernels.backends.base import Backend, Failure, Measurement
 from kernels.backends.model import ModelBackend
@@ -78,7 +79,8 @@ def record(
         results.append((plan, backend.measure(plan, problem), predict_time_ms(plan, device)))
     environment = Environment(**backend.environment())  # type: ignore[arg-type]
     date = datetime.now(UTC).isoformat(timespec="seconds")
-    return recording_from(problem, environment, measured, command, date, results)
+    hashes = {family: build.source_hash(family) for family in build.SOURCES}
+    return recording_from(problem, environment, measured, command, date, results, hashes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from db import PlanRegistry
 from kernels import build
+from kernels.backends.replay import load_recordings
 from tuner.app import run
 from tuner.config import typed_config, validate
 from tuner.problem import Problem
@@ -130,6 +131,41 @@ def test_replay_run_serves_the_recording(tmp_path, hydra_conf):
     )
     best = stored(tmp_path)
     assert best is not None and not best.record.measured  # the fixture is model-made
+
+
+GPU_RECORDING = ROOT / "bench" / "data" / "h200_1x1x4096x128.json"
+
+
+@pytest.mark.skipif(not GPU_RECORDING.exists(), reason="no H200 recording in bench/data")
+def test_replay_of_gpu_timings_is_stored_as_measured_under_the_recorded_sources(
+    tmp_path, hydra_conf
+):
+    (recording,) = load_recordings(GPU_RECORDING)
+    cfg = compose(
+        config_name="config",
+        overrides=[
+            "seq_len=4096",
+            "head_dim=128",
+            "backend=replay",
+            f"backend.replay_path={GPU_RECORDING}",
+            "search.n_trials=30",
+            *urls(tmp_path),
+        ],
+    )
+    out = io.StringIO()
+    assert run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out) == 0
+    output = out.getvalue()
+    assert "results are GPU timings, stored as measured" in output.splitlines()[0]
+    best = stored(tmp_path, Problem(4096, 128))
+    assert best is not None and best.record.measured
+    assert best.environment == recording.environment
+    assert best.record.source_hash == recording.source_hashes[best.record.family]
+    assert best.record.study_name.endswith("-replay")
+    # The recording machine's compiler verdicts are dropped before the search.
+    rejected = [k for k in recording.entries if recording.rejection(k)]
+    assert rejected and not set(rejected) & set(evaluated_keys(tmp_path))
+    fastest = min(e.median_ms for e in recording.entries.values() if e.median_ms)
+    assert best.record.median_ms <= 1.1 * fastest
 
 
 def test_plots_are_skipped_with_a_line_without_a_run_directory(tmp_path, hydra_conf):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import build
 from kernels.backends import BackendFactory, make_backend
 from kernels.backends.base import Failure, Measurement
 from kernels.backends.replay import (
@@ -51,7 +52,9 @@ def gpu_recording(path: Path, *, measured: bool = True, environment=H200_ENVIRON
         ),
         (failed, Measurement.failed(Failure.WRONG_ANSWER, "max |err| 0.5 > 0.001"), 0.3),
     ]
-    recording = recording_from(PROBLEM, environment, measured, "cmd", "2026-12-02", results)
+    recording = recording_from(
+        PROBLEM, environment, measured, "cmd", "2026-12-02", results, {"tiled": "abc"}
+    )
     write_recordings(path, [recording])
     return path
 
@@ -84,6 +87,20 @@ def test_a_recorded_failure_is_replayed_as_that_failure(tmp_path):
     result = backend.measure(tiled(tile=16), PROBLEM)
     assert result.failure == Failure.WRONG_ANSWER
     assert result.detail == "max |err| 0.5 > 0.001" and result.median_ms is None
+
+
+def test_the_compilers_verdicts_are_kept_as_rejections(tmp_path):
+    path = tmp_path / "gpu.json"
+    spilled = tiled(tile=64)
+    verdict = Measurement.failed(Failure.INFEASIBLE, "compiler spills registers", measured=False)
+    recording = recording_from(
+        PROBLEM, H200_ENVIRONMENT, True, "cmd", "d", [(spilled, verdict, None)]
+    )
+    write_recordings(path, [recording])
+    (loaded,) = load_recordings(path)
+    assert loaded.rejection(spilled.key()) == "compiler spills registers"
+    assert loaded.rejection(tiled().key()) is None
+    assert loaded.source_hashes == {}
 
 
 def test_a_plan_missing_from_the_file_is_a_failure_saying_so(tmp_path):
@@ -134,6 +151,7 @@ def test_a_file_may_hold_several_problems(tmp_path):
 def test_round_trip_keeps_every_field(tmp_path):
     path = gpu_recording(tmp_path / "gpu.json")
     (recording,) = load_recordings(path)
+    assert recording.source_hashes == {"tiled": "abc"}
     write_recordings(tmp_path / "again.json", [recording])
     assert load_recordings(tmp_path / "again.json") == [recording]
     assert recording.entries[tiled().key()].predicted_ms == 0.2
@@ -193,4 +211,5 @@ def test_the_recorder_writes_and_appends_recordings(tmp_path):
         feasible = candidate_space(recording.problem, H200).feasible
         assert set(recording.entries) == {plan.key() for plan in feasible}
         assert not recording.measured and recording.environment.gpu_name == "model"
+        assert recording.source_hashes == {f: build.source_hash(f) for f in build.SOURCES}
         assert "--backend model" in recording.command and recording.date.startswith("20")

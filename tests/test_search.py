@@ -290,6 +290,7 @@ def test_study_names_change_with_the_environment_and_the_kernel_source():
     newer = dataclasses.replace(environment, driver_version="580.2")
     assert study_name(problem, newer, hashes) != name
     assert study_name(Problem(4096, 128, causal=True), environment, hashes) != name
+    assert study_name(problem, environment, hashes, "replay") == f"{name}-replay"
 
 
 def test_the_default_storage_sits_next_to_the_registry():

@@ -19,6 +19,7 @@ workers are stopped, and the exit status is 130. Every run-level problem is a
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,10 +70,12 @@ def run(
         say(choice.line(_measures_on_a_gpu(choice, backend)))
         device = _device_profile(choice, backend, validated.device)
         environment = Environment(**backend.environment())  # type: ignore[arg-type]
-        feasible, rejected = _candidates(choice, validated, device)
+        feasible, rejected = _candidates(choice, backend, validated, device)
         predictions = {plan.key(): predict(plan, device) for plan in feasible}
-        hashes = _source_hashes()
-        name = config.search.study_name or study_name(problem, environment, hashes)
+        hashes = _source_hashes(choice, backend, problem)
+        # A replay is a simulation of a GPU run: its own study, never the GPU's.
+        variant = "replay" if choice.name == "replay" else ""
+        name = config.search.study_name or study_name(problem, environment, hashes, variant)
         storage_url = config.search.storage or default_storage_url(config.registry.url)
         storage = open_storage(storage_url)
         say(
@@ -144,7 +147,7 @@ def _device_profile(
 
 
 def _candidates(
-    choice: BackendChoice, validated: ValidatedConfig, device: DeviceProfile
+    choice: BackendChoice, backend: Backend, validated: ValidatedConfig, device: DeviceProfile
 ) -> tuple[list[KernelPlan], list[KernelPlan]]:
     problem, config = validated.problem, validated.config
     try:
@@ -157,6 +160,17 @@ def _candidates(
             feasible, device, config.backend.cache_dir, config.backend.compile_jobs
         )
         rejected += compiled_out
+    if choice.name == "replay":
+        # What the recording machine's compiler ruled out is dropped here, as
+        # precompiling drops it in a PyCUDA run, so a replay searches the same space.
+        recording = backend.recording_for(problem)  # type: ignore[attr-defined]
+        verdicts = {plan.key(): recording.rejection(plan.key()) for plan in feasible}
+        rejected += [
+            dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])
+            for plan in feasible
+            if verdicts[plan.key()]
+        ]
+        feasible = [plan for plan in feasible if not verdicts[plan.key()]]
     if not feasible:
         raise ConfigError(
             f"no feasible candidate for {problem.label()} on {device.name}: "
@@ -165,10 +179,16 @@ def _candidates(
     return feasible, rejected
 
 
-def _source_hashes() -> dict[str, str]:
+def _source_hashes(choice: BackendChoice, backend: Backend, problem: Problem) -> dict[str, str]:
+    """The kernel sources the timings belong to: today's, or for a replay the
+    recording's (so the registry sees a stale recording as stale)."""
     from kernels import build
 
-    return {family: build.source_hash(family) for family in build.SOURCES}
+    current = {family: build.source_hash(family) for family in build.SOURCES}
+    if choice.name == "replay":
+        recorded = backend.recording_for(problem).source_hashes  # type: ignore[attr-defined]
+        return current | dict(recorded)
+    return current
 
 
 # ---------------------------------------------------------------------- results

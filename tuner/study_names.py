@@ -32,8 +32,17 @@ from tuner.problem import Problem
 STUDIES_FILE = "studies.sqlite"
 
 
-def study_name(problem: Problem, environment: Environment, source_hashes: Mapping[str, str]) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>``."""
+def study_name(
+    problem: Problem,
+    environment: Environment,
+    source_hashes: Mapping[str, str],
+    variant: str = "",
+) -> str:
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>[-<variant>]``.
+
+    ``variant`` keeps studies of the same identity apart (``replay``: timings
+    served from a recording must not continue the GPU study they came from).
+    """
     identity = {
         "environment": environment.as_dict(),
         "sources": dict(sorted(source_hashes.items())),
@@ -42,7 +51,8 @@ def study_name(problem: Problem, environment: Environment, source_hashes: Mappin
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
     shape = f"{problem.batch}x{problem.heads}x{problem.seq_len}x{problem.head_dim}"
-    return f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}"
+    name = f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}"
+    return f"{name}-{variant}" if variant else name
 
 
 def default_storage_url(registry_url: str) -> str:

@@ -16,6 +16,7 @@ problems, one per recording; ``--append`` in the recorder grows the list)::
                   "causal": false, "dtype": "float32"},
       "command": "python bench/record_replay.py ...",
       "date": "2026-12-02T17:00:00+00:00",
+      "source_hashes": {"tiled": "<sha256 of kernels/tiled.cu>", ...},
       "measurements": [
         {"key": "tiled/b64/r64/t256/s4",
          "params": {"family": "tiled", "threads": 256, "tile_size": 64,
@@ -25,7 +26,10 @@ problems, one per recording; ``--append`` in the recorder grows the list)::
       ]
     }
 
-``failure`` is null or a ``kernels.backends.base.Failure`` value; a failed
+``source_hashes`` (optional) names the kernel sources the timings belong to:
+a replay stores its best plan under them, so the registry treats the plan as
+stale once a ``.cu`` file changes. ``failure`` is null or a
+``kernels.backends.base.Failure`` value; a failed
 entry has null times. Optional entry fields: ``tflops``, ``gbps``,
 ``repetitions``, ``predicted_ms``. Results are ``measured=True`` only when the
 recording says ``"measured": true`` *and* names a GPU (``gpu_name`` other
@@ -39,7 +43,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +106,15 @@ class Recording:
     command: str
     date: str
     entries: Mapping[str, ReplayEntry]
+    #: kernel family -> sha256 of its .cu text when recorded ({} if not recorded)
+    source_hashes: Mapping[str, str] = field(default_factory=dict)
+
+    def rejection(self, key: str) -> str | None:
+        """The recorded reason a plan was ruled out before timing (compiler verdict), if so."""
+        entry = self.entries.get(key)
+        if entry is None or entry.failure != Failure.INFEASIBLE:
+            return None
+        return entry.detail or "infeasible on the recording machine"
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +124,7 @@ class Recording:
             "problem": {f.name: getattr(self.problem, f.name) for f in fields(Problem)},
             "command": self.command,
             "date": self.date,
+            "source_hashes": dict(self.source_hashes),
             "measurements": [entry.as_json() for entry in self.entries.values()],
         }
 
@@ -189,6 +203,7 @@ def _recording(block: Any) -> Recording:
         command=str(block.get("command", "")),
         date=str(block.get("date", "")),
         entries=entries,
+        source_hashes={str(k): str(v) for k, v in block.get("source_hashes", {}).items()},
     )
 
 
@@ -296,6 +311,7 @@ def recording_from(
     command: str,
     date: str,
     results: Iterable[tuple[KernelPlan, Measurement, float | None]],
+    source_hashes: Mapping[str, str] | None = None,
 ) -> Recording:
     """A recording of ``(plan, measurement, predicted_ms)`` results, in the order given."""
     entries = {}
@@ -313,4 +329,6 @@ def recording_from(
             repetitions=measurement.repetitions,
             predicted_ms=predicted_ms,
         )
-    return Recording(problem, environment, measured, command, date, entries)
+    return Recording(
+        problem, environment, measured, command, date, entries, dict(source_hashes or {})
+    )
