@@ -1,4 +1,4 @@
-"""The replay format, its loader and backend, and the recorder that writes it.
+"""The replay format, its loader and backend, the recorder that writes it, and backend choice.
 
 ``tests/data/replay_model_512x64.json`` was written by
 ``python bench/record_replay.py --backend model --shape 512x64 --out ...``: the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernels import build
-from kernels.backends import BackendFactory, make_backend
+from kernels.backends import BackendFactory, choose_backend, detect_cuda, make_backend
 from kernels.backends.base import Failure, Measurement
 from kernels.backends.replay import (
     FORMAT,
@@ -213,3 +213,71 @@ def test_the_recorder_writes_and_appends_recordings(tmp_path):
         assert not recording.measured and recording.environment.gpu_name == "model"
         assert recording.source_hashes == {f: build.source_hash(f) for f in build.SOURCES}
         assert "--backend model" in recording.command and recording.date.startswith("20")
+
+
+# ---------------------------------------------------------------- backend choice
+
+
+def test_importing_the_backends_and_the_app_loads_no_pycuda():
+    code = (
+        "import sys, kernels.backends, tuner.app, tuner.isolation; "
+        "assert 'pycuda' not in sys.modules, sorted(m for m in sys.modules if 'cuda' in m)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+FAKE_DRIVER = """
+class Error(Exception):
+    pass
+class LogicError(Error):
+    pass
+def init():
+    if {fail!r}:
+        raise LogicError("cuInit failed: no CUDA-capable device is detected")
+class Device:
+    def __init__(self, ordinal):
+        self.ordinal = ordinal
+    @staticmethod
+    def count():
+        return 1
+    def name(self):
+        return "Fake GPU"
+"""
+
+
+@pytest.mark.parametrize(
+    ("fail", "ordinal", "expected"),
+    [
+        (True, 0, "cuInit failed: no CUDA-capable device is detected"),
+        (False, 0, None),
+        (False, 3, "CUDA device 3 requested but 1 visible"),
+    ],
+)
+def test_detect_cuda_asks_a_subprocess_and_says_why_not(
+    tmp_path, monkeypatch, fail, ordinal, expected
+):
+    package = tmp_path / "pycuda"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "driver.py").write_text(FAKE_DRIVER.format(fail=fail))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert detect_cuda(ordinal) == expected
+    assert "pycuda" not in sys.modules  # this process never imported it
+
+
+def test_auto_falls_back_to_the_model_with_the_reason(monkeypatch):
+    monkeypatch.setattr("kernels.backends.detect_cuda", lambda ordinal=0: "pycuda not installed")
+    choice = choose_backend(BackendConfig(name="auto"))
+    assert choice.line(measured=False) == (
+        "backend: model (auto: no CUDA device: pycuda not installed) - results are "
+        "predictions, stored as predicted"
+    )
+    monkeypatch.setattr("kernels.backends.detect_cuda", lambda ordinal=0: None)
+    choice = choose_backend(BackendConfig(name="auto"))
+    assert choice.name == "pycuda"
+    assert choice.line(measured=True) == (
+        "backend: pycuda (auto: CUDA device 0 answers) - results are GPU timings, "
+        "stored as measured"
+    )
