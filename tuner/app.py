@@ -20,6 +20,7 @@ workers are stopped, and the exit status is 130. Every run-level problem is a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +35,7 @@ from tuner.config import ValidatedConfig, space_axes_from
 from tuner.costmodel import predict
 from tuner.device import DeviceProfile
 from tuner.environment import Environment
-from tuner.errors import ConfigError
+from tuner.errors import BackendError, ConfigError
 from tuner.isolation import IsolatedBackend
 from tuner.planner.errors import PlanError
 from tuner.planner.space import candidate_space
@@ -66,6 +67,7 @@ def run(
 
     choice = choose_backend(config.backend)
     backend = _build_backend(choice, validated)
+    storage = None
     try:
         say(choice.line(_measures_on_a_gpu(choice, backend)))
         device = _device_profile(choice, backend, validated.device)
@@ -98,6 +100,8 @@ def run(
             )
     finally:
         backend.close()
+        if storage is not None:
+            storage.engine.dispose()  # SQLite checkpoints its WAL into the file
 
     if result.interrupted:
         say("interrupted: the study keeps its finished trials; the best so far follows")
@@ -117,6 +121,11 @@ def _build_backend(choice: BackendChoice, validated: ValidatedConfig) -> Backend
     ``backend.isolate=false``; the model and replay backends run in this process
     (they only read numbers: nothing there can crash or hang)."""
     config = validated.config
+    if choice.name == "pycuda" and importlib.util.find_spec("pycuda") is None:
+        # Said here, not by a worker that cannot start.
+        raise BackendError(
+            "backend=pycuda: pycuda is not installed (pip install 'flash-attention-tuner[cuda]')"
+        )
     if choice.name == "pycuda" and config.backend.isolate:
         factory = BackendFactory("pycuda", config.backend, device=validated.device)
         return IsolatedBackend(factory, config.search.trial_timeout_s, name="pycuda")
