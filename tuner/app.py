@@ -42,9 +42,10 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
-from tuner.search import SearchResult, TrialOutcome, encoding_for, open_storage, run_search
+from tuner.search import encoding_for, open_storage, run_search
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
+from tuner.trials import SearchResult, TrialOutcome
 
 EXIT_INTERRUPTED = 130
 TOP_ROWS = 5

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuner.report import model_rank_correlation
-from tuner.search import SearchResult, TrialOutcome
+from tuner.trials import SearchResult, TrialOutcome
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

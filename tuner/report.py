@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tuner.costmodel import rank_correlation
-from tuner.search import SearchResult, TrialOutcome
+from tuner.trials import SearchResult, TrialOutcome
 
 HEADERS = (
     "rank",

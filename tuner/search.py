@@ -56,7 +56,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +70,7 @@ from tuner.costmodel import Prediction
 from tuner.errors import ConfigError, TunerError
 from tuner.planner.tunable import KernelPlan
 from tuner.study_space import Encoding, StudySpace
+from tuner.trials import COUNTED_OUTCOMES, PARAM_NAMES, SearchResult, TrialOutcome
 
 SAMPLERS = ("tpe", "random", "grid")
 #: free proposals (infeasible, skipped, duplicate) in a row before the search
@@ -80,112 +80,7 @@ FREE_STREAK_LIMIT = 25
 #: (a killed tuner) is failed when the study is next run, so it is not left RUNNING
 HEARTBEAT_INTERVAL_S = 30
 
-COUNTED_OUTCOMES = ("measured", "failed")
-Progress = Callable[["TrialOutcome"], None]
-
-
-@dataclass(frozen=True, slots=True)
-class TrialOutcome:
-    """One trial of the study, as the report, the plots and the registry need it."""
-
-    number: int
-    state: str
-    outcome: str
-    key: str
-    params: dict[str, Any]
-    predicted_ms: float | None = None
-    predicted_read_bytes: int | None = None
-    predicted_write_bytes: int | None = None
-    measured: bool = False
-    median_ms: float | None = None
-    spread_ms: float | None = None
-    tflops: float | None = None
-    gbps: float | None = None
-    max_abs_error: float | None = None
-    failure: str | None = None
-    detail: str = ""
-    duplicate_of: int | None = None
-
-    @property
-    def counted(self) -> bool:
-        return self.outcome in COUNTED_OUTCOMES
-
-    @property
-    def timed(self) -> bool:
-        """Evaluated by the backend with a time (measured or predicted)."""
-        return self.outcome == "measured" and self.median_ms is not None
-
-    @classmethod
-    def from_trial(cls, trial: FrozenTrial) -> TrialOutcome:
-        attrs = trial.user_attrs
-        predicted = attrs.get("predicted", {})
-        timing = attrs.get("timing", {})
-        default = "interrupted" if trial.state.is_finished() else "running"
-        return cls(
-            number=trial.number,
-            state=trial.state.name,
-            outcome=str(attrs.get("outcome", default)),
-            key=str(attrs.get("plan_key", "")),
-            params=dict(attrs.get("params", {})),
-            predicted_ms=predicted.get("ms"),
-            predicted_read_bytes=predicted.get("read_bytes"),
-            predicted_write_bytes=predicted.get("write_bytes"),
-            measured=bool(attrs.get("measured", False)),
-            median_ms=attrs.get("median_ms"),
-            spread_ms=timing.get("spread_ms"),
-            tflops=timing.get("tflops"),
-            gbps=timing.get("gbps"),
-            max_abs_error=timing.get("max_abs_error"),
-            failure=attrs.get("failure"),
-            detail=str(attrs.get("detail", "")),
-            duplicate_of=attrs.get("duplicate_of"),
-        )
-
-
-_PARAM_NAMES = (
-    "family",
-    "threads",
-    "tile_size",
-    "rows_per_block",
-    "split_target",
-)
-
-
-@dataclass
-class SearchResult:
-    study_name: str
-    storage_url: str
-    #: every trial of the study (earlier runs included), by number
-    trials: list[TrialOutcome]
-    #: trial numbers run by this call
-    new_trials: list[int] = field(default_factory=list)
-    stop_reason: str = ""
-    interrupted: bool = False
-    #: feasible candidates never measured because of the traffic cutoff
-    over_cutoff: int = 0
-    enqueued: list[str] = field(default_factory=list)
-
-    @property
-    def new_measurements(self) -> int:
-        numbers = set(self.new_trials)
-        return sum(1 for t in self.trials if t.number in numbers and t.counted)
-
-    @property
-    def counted(self) -> int:
-        return sum(1 for t in self.trials if t.counted)
-
-    def ranked(self) -> list[TrialOutcome]:
-        """Distinct candidates with a time, fastest first (first trial of each plan)."""
-        seen: dict[str, TrialOutcome] = {}
-        for trial in self.trials:
-            if trial.timed and trial.key not in seen:
-                seen[trial.key] = trial
-        return sorted(seen.values(), key=lambda t: (t.median_ms, t.number))
-
-    @property
-    def best(self) -> TrialOutcome | None:
-        ranked = self.ranked()
-        return ranked[0] if ranked else None
+Progress = Callable[[TrialOutcome], None]
 
 
 def open_storage(url: str) -> RDBStorage:
@@ -466,7 +361,7 @@ def _write(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
 
 
 def _params(params: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: params[name] for name in _PARAM_NAMES if name in params}
+    return {name: params[name] for name in PARAM_NAMES if name in params}
 
 
 def _measurement_attrs(measurement: Measurement) -> dict[str, Any]:
