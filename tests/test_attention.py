@@ -1,0 +1,594 @@
+"""``kernels.attention`` without a GPU: argument checks, plan choice, caches, and the launch path
+on the fake PyCUDA driver of ``test_pycuda_backend`` (numpy emulations of the kernels).
+
+Argument checks use small fakes exposing ``__cuda_array_interface__`` and a fake ``torch``
+module; a test that reaches CUDA where it should not fails with ``ReachedCuda``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_pycuda_backend import FakeGpu, make_driver
+
+import kernels.attention as ka
+from db import DEFAULT_URL, PlanRecord, PlanRegistry
+from kernels import build
+from kernels.build import CompiledKernel, KernelSpec
+from kernels.reference import attention_reference
+from tuner.costmodel import predict_time_ms
+from tuner.device import H200
+from tuner.environment import Environment
+from tuner.errors import BackendError, TunerError
+from tuner.planner.space import candidate_space
+from tuner.planner.tunable import KernelParams, ResourceUsage
+from tuner.problem import Problem
+
+ENV = Environment("NVIDIA H200", "9.0", 132, "580.159.04", "13.0", "13.0.88", "2026.1")
+HASHES = {"tiled": "t" * 64, "scalar_online": "s" * 64}
+SHAPE = (2, 4, 64, 32)
+PROBLEM = Problem(1000, 64, batch=2, heads=4, causal=True)
+STORED = {"threads": 128, "tile_size": 32, "rows_per_block": 32, "split_target": 4}
+
+
+class ReachedCuda(Exception):
+    pass
+
+
+class FakeArray:
+    """A device array as the CUDA Array Interface describes it; nothing behind the pointer."""
+
+    _next = 1 << 32
+
+    def __init__(self, shape: tuple[int, ...] = SHAPE, pointer: int | None = None, **fields: Any):
+        if pointer is None:
+            pointer = FakeArray._next
+            FakeArray._next += 1 << 28  # far apart: fakes never overlap by accident
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": "<f4",
+            "data": (pointer, fields.pop("readonly", False)),
+            "version": 3,
+            "strides": None,
+        } | fields
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reached(*args: Any, **kwargs: Any) -> Any:
+        raise ReachedCuda
+
+    monkeypatch.setattr(ka, "interface_device", reached)
+    monkeypatch.setattr(ka.Attention, "_runner", reached)
+
+
+def test_importing_kernels_loads_no_pycuda_torch_or_database() -> None:
+    code = (
+        "import sys, kernels\n"
+        "heavy = lambda: [m for m in ('pycuda', 'torch', 'sqlalchemy') if m in sys.modules]\n"
+        "assert not heavy(), heavy()\n"
+        "assert callable(kernels.attention) and kernels.Attention.__name__ == 'Attention'\n"
+        "import kernels.attention\n"
+        "from kernels.attention import attention\n"
+        "assert not heavy(), heavy()\n"
+        "print('clean')\n"
+    )
+    root = Path(build.__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "clean"
+
+
+def test_kernels_attention_is_the_module_and_calls_the_function(monkeypatch) -> None:
+    import kernels
+
+    seen = []
+    monkeypatch.setattr(ka, "attention", lambda *a, **kw: seen.append((a, kw)) or "done")
+    assert kernels.attention is ka
+    assert kernels.attention(1, 2, 3, causal=True) == "done"
+    assert seen == [((1, 2, 3), {"causal": True})]
+
+
+# ------------------------------------------------------------------------ argument checks
+
+
+def strided(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    c_order = ka._c_strides(tuple(shape[i] for i in order))
+    strides = [0] * len(shape)
+    for position, axis in enumerate(order):
+        strides[axis] = c_order[position]
+    return tuple(strides)
+
+
+def numpy_q() -> Any:
+    return np.zeros(SHAPE, np.float32)
+
+
+BAD_ARRAYS = {
+    "rank": (lambda: [FakeArray((4, 64, 32))], ka.AttentionInputError, r"q has 3 dimensions"),
+    "shapes": (
+        lambda: [FakeArray(), FakeArray((2, 4, 32, 32))],
+        ka.AttentionInputError,
+        r"k has shape \(2, 4, 32, 32\) but q has shape \(2, 4, 64, 32\)",
+    ),
+    "dtype": (
+        lambda: [FakeArray(), FakeArray(), FakeArray(typestr="<f2")],
+        TypeError,
+        r"v has dtype float16 \(typestr '<f2'\); expected float32",
+    ),
+    "double": (lambda: [FakeArray(typestr="<f8")], TypeError, r"q has dtype float64"),
+    "big-endian": (lambda: [FakeArray(typestr=">f4")], TypeError, r"typestr '>f4'"),
+    "transposed": (
+        lambda: [FakeArray(strides=strided(SHAPE, (0, 1, 3, 2)))],
+        ka.AttentionInputError,
+        r"q is not C-contiguous \(shape \(2, 4, 64, 32\), strides \(32768, 8192, 4, 256\)",
+    ),
+    "host numpy": (lambda: [numpy_q()], TypeError, r"q is a numpy.ndarray in host memory"),
+    "not an array": (lambda: [[1.0]], TypeError, r"q is a builtins.list; expected a device"),
+    "empty": (lambda: [FakeArray((2, 4, 0, 32))], ka.AttentionInputError, r"empty dimension"),
+    "null": (lambda: [FakeArray(pointer=0)], ka.AttentionInputError, r"q has a null data"),
+    "malformed": (lambda: [FakeArray(data=None)], TypeError, r"q's __cuda_array_interface__ is"),
+    "masked": (lambda: [FakeArray(mask=object())], ka.AttentionInputError, r"q has a mask"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARRAYS))
+def test_bad_arrays_are_refused_before_any_cuda_call(case: str, no_cuda: None) -> None:
+    build_arrays, error, message = BAD_ARRAYS[case]
+    arrays = build_arrays()
+    arrays += [FakeArray() for _ in range(3 - len(arrays))]
+    with pytest.raises(error, match=message) as raised:
+        ka.attention(*arrays)
+    assert isinstance(raised.value, TunerError) and isinstance(raised.value, ValueError)
+    assert "\n" not in str(raised.value)
+
+
+def test_bad_out_and_causal_are_refused(no_cuda: None) -> None:
+    q, k, v = FakeArray(), FakeArray(), FakeArray()
+    cases = [
+        ({"out": FakeArray((2, 4, 64, 16))}, r"out has shape \(2, 4, 64, 16\) but q has shape"),
+        ({"out": FakeArray(readonly=True)}, r"out is read-only"),
+        ({"out": FakeArray(pointer=q.__cuda_array_interface__["data"][0] + 64)}, "overlaps q"),
+        ({"out": numpy_q()}, r"out is a numpy.ndarray in host memory"),
+        ({"causal": "yes"}, r"causal must be a bool, got 'yes'"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ka.AttentionInputError, match=message):
+            ka.attention(q, k, v, **arguments)
+
+
+def test_good_arrays_pass_the_checks(no_cuda: None) -> None:
+    size_one_axis = (2, 1, 64, 32)  # a size-1 axis may have any stride
+    odd = FakeArray(size_one_axis, strides=(8192, 12345, 128, 4))
+    for shape, arrays in [
+        (SHAPE, [FakeArray() for _ in range(3)]),
+        (size_one_axis, [odd, FakeArray(size_one_axis), odd]),
+    ]:
+        with pytest.raises(ReachedCuda):
+            ka.attention(*arrays, causal=np.bool_(True), out=FakeArray(shape))
+
+
+# a fake torch: just what kernels.attention touches before CUDA
+
+
+class FakeTensor:
+    def __init__(self, shape=SHAPE, *, device="cuda", index=0, dtype="float32", **flags: Any):
+        self.shape, self.dtype = shape, dtype
+        self.device = types.SimpleNamespace(type=device, index=index)
+        self._contiguous = flags.get("contiguous", True)
+        self.requires_grad = flags.get("requires_grad", False)
+        self.pointer = flags.get("pointer", 1 << 40)
+
+    def __str__(self) -> str:
+        return "tensor"
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
+
+    def stride(self) -> tuple[int, ...]:
+        return (1, 2, 3, 4)
+
+    def data_ptr(self) -> int:
+        return self.pointer
+
+
+def fake_torch_module() -> types.ModuleType:
+    torch = types.ModuleType("torch")
+    torch.Tensor, torch.float32 = FakeTensor, "float32"
+    torch.is_grad_enabled = lambda: True
+    return torch
+
+
+@pytest.fixture
+def fake_torch(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    torch = fake_torch_module()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
+
+
+def tensors(*changed: FakeTensor) -> list[FakeTensor]:
+    base = [FakeTensor(pointer=(1 << 40) + i * (1 << 30)) for i in range(3)]
+    return [*changed, *base[len(changed) :]]
+
+
+BAD_TENSORS = {
+    "cpu": (
+        lambda: tensors(FakeTensor(device="cpu")),
+        r"q is a torch tensor on .*; expected a CUDA",
+    ),
+    "dtype": (lambda: tensors(FakeTensor(), FakeTensor(dtype="float16")), r"k has dtype float16"),
+    "devices": (
+        lambda: tensors(FakeTensor(), FakeTensor(index=1, pointer=1 << 50)),
+        r"k is on cuda:1 but q is on cuda:0",
+    ),
+    "strides": (lambda: tensors(FakeTensor(contiguous=False)), r"q is not C-contiguous"),
+    "grad": (lambda: tensors(FakeTensor(requires_grad=True)), r"q requires grad"),
+    "rank": (lambda: tensors(FakeTensor((64, 32))), r"q has 2 dimensions"),
+    "mixed": (lambda: [FakeTensor(), FakeArray(), FakeArray()], r"k is a device array .* q is"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TENSORS))
+def test_bad_torch_tensors_are_refused(case: str, fake_torch: Any, no_cuda: None) -> None:
+    build_arrays, message = BAD_TENSORS[case]
+    with pytest.raises(ka.AttentionInputError, match=message):
+        ka.attention(*build_arrays())
+
+
+def test_good_torch_tensors_reach_their_gpu(fake_torch: Any, monkeypatch) -> None:
+    asked = []
+    monkeypatch.setattr(ka.Attention, "_runner", lambda self, index: asked.append(index) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ka.Attention()(*tensors(*[FakeTensor(index=3, pointer=i << 40) for i in (1, 2, 3)]))
+    assert asked == [3]
+
+
+def test_the_current_stream_is_read_raw_where_torch_allows() -> None:
+    torch = fake_torch_module()
+    current = types.SimpleNamespace(cuda_stream=7)
+    torch.cuda = types.SimpleNamespace(current_stream=lambda index: current)
+    assert ka._current_stream_handle(torch, 0) == 7  # the public API
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: 100 + index)
+    assert ka._current_stream_handle(torch, 2) == 102  # the raw query, no Stream object
+
+
+def test_pointer_facts_give_the_device_and_refuse_host_memory() -> None:
+    inputs = ka.check_inputs(FakeArray(), FakeArray(), FakeArray())
+    on = lambda device, kind=2: ka.PointerFacts(kind, device, 0)  # noqa: E731
+    assert ka.device_of(inputs.arrays, [on(1), on(1), on(1)]) == 1
+    assert ka.device_of(inputs.arrays, [None, None, None]) == 0  # driver not asked: device 0
+    with pytest.raises(ka.AttentionInputError, match=r"v is on cuda:2 but q is on cuda:1"):
+        ka.device_of(inputs.arrays, [on(1), on(1), on(2)])
+    with pytest.raises(ka.AttentionInputError, match=r"k's data pointer .* page-locked host"):
+        ka.device_of(inputs.arrays, [on(0), on(0, kind=1), on(0)])
+    with pytest.raises(ka.AttentionInputError, match=r"not memory CUDA knows"):
+        ka.device_of(inputs.arrays, [on(0, kind=0), on(0), on(0)])
+
+
+# ------------------------------------------------------------------------ plan choice
+
+
+def record(family: str = "tiled", params: dict | None = None, **fields: Any) -> PlanRecord:
+    values = {"source_hash": HASHES[family], "measured": True, "median_ms": 0.5} | fields
+    return PlanRecord(family=family, params=dict(params or STORED), **values)
+
+
+@pytest.fixture
+def registry(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    with PlanRegistry.open(url) as writer:
+        yield writer
+
+
+class CountingRegistry:
+    """A registry handle that counts the lookups that reach it."""
+
+    def __init__(self, inner: PlanRegistry) -> None:
+        self.inner, self.url, self.calls = inner, inner.url, 0
+
+    def cached_best(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.cached_best(*args, **kwargs)
+
+
+def chooser(registry: Any, **options: Any) -> ka.PlanChooser:
+    return ka.PlanChooser(registry, ENV, H200, source_hashes=HASHES, **options)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def default_plan_key(problem: Problem) -> str:
+    space = candidate_space(problem, H200)
+    return min(space.feasible, key=lambda plan: predict_time_ms(plan, H200)).key()
+
+
+def test_a_stored_plan_is_used_without_warnings(registry, caplog) -> None:
+    registry.record(PROBLEM, ENV, record())
+    chosen = chooser(registry).plan_for(PROBLEM)
+    assert chosen.origin == "registry" and chosen.stored is not None
+    assert chosen.plan.params == KernelParams("tiled", **STORED)
+    assert chosen.plan.problem == PROBLEM and warnings_of(caplog) == []
+
+
+def test_an_empty_registry_gives_the_default_plan_and_one_warning_per_shape(
+    registry, caplog
+) -> None:
+    choosing = chooser(registry)
+    chosen = choosing.plan_for(PROBLEM)
+    assert chosen.origin == "default" and chosen.plan.key() == default_plan_key(PROBLEM)
+    assert choosing.plan_for(PROBLEM) is chosen
+    other = Problem(4096, 128, heads=2)
+    assert choosing.plan_for(other).plan.key() == default_plan_key(other)
+    notes = warnings_of(caplog)
+    assert len(notes) == 2 and notes[0] == chosen.warnings[0]
+    assert notes[0].startswith(f"no plan for {PROBLEM.label()} in registry ")
+    assert f"using the planner's default plan {chosen.plan.key()} (predicted" in notes[0]
+    assert all(r.name == "kernels.attention" for r in caplog.records)
+
+
+def test_no_registry_gives_the_default_plan(caplog) -> None:
+    chosen = chooser(None).plan_for(PROBLEM)
+    assert chosen.origin == "default"
+    assert warnings_of(caplog)[0].startswith("no plan registry (none given, no db")
+
+
+@pytest.mark.parametrize(
+    ("stored", "message"),
+    [
+        (record(source_hash="old"), r"measured under an older tiled kernel source \(old, now tttt"),
+        (record(measured=False, median_ms=None, predicted_ms=0.4), r"only predicted"),
+    ],
+)
+def test_stale_and_predicted_plans_are_used_with_one_warning(registry, caplog, stored, message):
+    registry.record(PROBLEM, ENV, stored)
+    choosing = chooser(registry)
+    chosen = choosing.plan_for(PROBLEM)
+    choosing.plan_for(PROBLEM)
+    assert chosen.origin == "registry" and chosen.plan.params == KernelParams("tiled", **STORED)
+    notes = warnings_of(caplog)
+    assert len(notes) == 1 and chosen.warnings == tuple(notes)
+    assert re.search(message, notes[0]), notes[0]
+
+
+def test_a_plan_of_another_toolchain_is_used_one_of_another_gpu_is_not(registry, caplog) -> None:
+    registry.record(PROBLEM, Environment("NVIDIA H200", "9.0", 132, "570.1", "12.8"), record())
+    chosen = chooser(registry).plan_for(PROBLEM)
+    assert chosen.origin == "registry" and "another toolchain (driver 570.1" in chosen.warnings[0]
+    other_gpu = Problem(512, 64)
+    registry.record(other_gpu, Environment("NVIDIA A100-SXM4-80GB", "8.0", 108), record())
+    chosen = chooser(registry).plan_for(other_gpu)
+    assert chosen.origin == "default"
+    assert "only for another GPU (NVIDIA A100-SXM4-80GB, 108 SMs)" in chosen.warnings[0]
+
+
+def test_a_stored_plan_that_cannot_run_here_falls_back(registry, caplog) -> None:
+    registry.record(PROBLEM, ENV, record(params=STORED | {"threads": 2048}))
+    chosen = chooser(registry).plan_for(PROBLEM)
+    assert chosen.origin == "default"
+    assert (
+        "the registry's plan for 2x4x1000x64 float32 causal cannot run here: threads=2048"
+        in (chosen.warnings[0])
+    )
+
+
+def test_the_nearest_shape_is_used_when_asked(registry) -> None:
+    registry.record(Problem(1024, 64, batch=2, heads=4, causal=True), ENV, record())
+    assert chooser(registry).plan_for(PROBLEM).origin == "default"
+    chosen = chooser(registry, nearest=True).plan_for(PROBLEM)
+    assert chosen.origin == "registry" and chosen.stored.fallback
+    assert chosen.plan.problem == PROBLEM  # re-planned for the shape asked
+
+
+def test_a_default_candidate_that_does_not_compile_is_skipped() -> None:
+    best = default_plan_key(PROBLEM)
+    check = lambda plan: "does not compile: boom" if plan.key() == best else plan  # noqa: E731
+    chosen = chooser(None, check=check).plan_for(PROBLEM)
+    assert chosen.origin == "default" and chosen.plan.key() != best
+    with pytest.raises(BackendError, match=r"no runnable kernel plan .*: boom"):
+        chooser(None, check=lambda plan: "boom").plan_for(PROBLEM)
+
+
+def test_the_registry_is_asked_once_per_shape(registry) -> None:
+    registry.record(PROBLEM, ENV, record())
+    counting = CountingRegistry(registry)
+    choosing = chooser(counting)
+    for _ in range(5):
+        choosing.plan_for(PROBLEM)
+    assert counting.calls == 1
+    for _ in range(5):
+        choosing.plan_for(Problem(256, 64))  # not stored: this GPU, then any GPU
+    assert counting.calls == 3
+
+
+# ------------------------------------------------------------------------ default instances
+
+
+def test_default_instances_per_registry(tmp_path: Path, monkeypatch) -> None:
+    assert f"sqlite:///{ka.DEFAULT_REGISTRY_FILE.as_posix()}" == DEFAULT_URL
+    monkeypatch.setattr(ka, "_instances", {})
+    monkeypatch.chdir(tmp_path)
+    first = ka.default_instance()
+    assert first.registry_url is None and ka.default_instance() is first
+    assert ka.default_instance(nearest=True) is not first
+    url = f"sqlite:///{tmp_path / 'x.sqlite'}"
+    assert ka.default_instance(url) is ka.default_instance(url) is not first
+    handle = object()
+    assert ka.default_instance(handle)._registry is handle  # type: ignore[arg-type]
+    PlanRegistry.open(DEFAULT_URL).close()  # now db/plans.sqlite exists here
+    found = ka.Attention()
+    expected = (tmp_path / "db" / "plans.sqlite").resolve().as_posix()
+    assert found.registry_url == f"sqlite:///{expected}"
+
+
+# ------------------------------------------------------------------------ on the fake driver
+
+
+class StreamAwareFunction:
+    """The fake's kernels, taking pycuda's ``stream=`` keyword and logging it."""
+
+    def __init__(self, function: Any, log: list) -> None:
+        self.function, self.log = function, log
+
+    def set_attribute(self, *args: Any) -> None:
+        self.function.set_attribute(*args)
+
+    def __call__(self, *args: Any, grid: Any, block: Any, shared: int, stream: Any = None):
+        self.log.append(("launch", self.function.name, stream))
+        self.function(*args, grid=grid, block=block, shared=shared)
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGpu:
+    state = FakeGpu()
+    state.log, state.compiled, state.loads = [], [], 0
+    driver = make_driver(state)
+    fake_load = driver.module_from_buffer
+
+    def module_from_buffer(cubin: bytes) -> Any:
+        state.loads += 1
+        module = fake_load(cubin)
+        return types.SimpleNamespace(
+            get_function=lambda name: StreamAwareFunction(module.get_function(name), state.log)
+        )
+
+    driver.module_from_buffer = module_from_buffer
+    driver.Stream = lambda: types.SimpleNamespace(handle=4242)
+    package = types.ModuleType("pycuda")
+    package.VERSION_TEXT, package.driver = "2026.1", driver
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+
+    def fake_compile(variant: Any, cache_dir: Any, arch: str = "sm_90") -> CompiledKernel:
+        spec = variant if isinstance(variant, KernelSpec) else KernelSpec.from_plan(variant)
+        state.compiled.append(spec.key)
+        cubin = json.dumps({"defines": dict(spec.defines)}).encode()
+        resources = {name: ResourceUsage(64) for name in build.ENTRY_FUNCTIONS[spec.family]}
+        return CompiledKernel(spec, Path("x.cubin"), cubin, resources, "h", arch, "13.0.88")
+
+    monkeypatch.setattr(build, "compile_kernel", fake_compile)
+    # Never the real driver from this process: the suite forks CUDA workers elsewhere.
+    monkeypatch.setattr(ka, "current_context", lambda: None)
+    monkeypatch.setattr(ka, "query_pointer", lambda pointer: ka.PointerFacts(2, 0, 0))
+    state.driver = driver
+    return state
+
+
+SMALL = Problem(200, 32, batch=1, heads=2, causal=True)
+SPLIT = {"threads": 64, "tile_size": 16, "rows_per_block": 16, "split_target": 2}
+
+
+def on_fake_gpu(gpu: FakeGpu, problem: Problem, seed: int = 0) -> tuple[list, list]:
+    shape = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
+    rng = np.random.default_rng(seed)
+    host = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+    buffers = [gpu.driver.to_device(array) for array in host]
+    buffers.append(gpu.driver.mem_alloc(host[0].nbytes))
+    return host, buffers
+
+
+def read(gpu: FakeGpu, buffer: Any, shape: tuple[int, ...]) -> np.ndarray:
+    return gpu.floats(buffer, int(np.prod(shape))).reshape(shape).copy()
+
+
+def test_interface_arrays_run_the_stored_plan_with_everything_cached(gpu, registry) -> None:
+    attend = ka.Attention(registry)
+    current = build.source_hash("tiled")
+    registry.record(SMALL, attend.environment(), record(params=SPLIT, source_hash=current))
+    chosen = attend.plan_for(SMALL)
+    assert chosen.origin == "registry" and chosen.plan.sequence_splits > 1
+    host, buffers = on_fake_gpu(gpu, SMALL)
+    shape = host[0].shape
+    arrays = [FakeArray(shape, pointer=int(b)) for b in buffers]
+    allocations = gpu.allocations
+    for _ in range(3):
+        result = attend(*arrays[:3], True, out=arrays[3])
+        assert result is arrays[3]
+        expected = attention_reference(*(a.reshape(2, 200, 32) for a in host), causal=True)
+        assert np.abs(read(gpu, buffers[3], shape).reshape(2, 200, 32) - expected).max() < 1e-4
+    assert gpu.allocations == allocations + 2  # split scratch (partials, max/sum), once
+    assert gpu.loads == 1 and len(set(gpu.compiled)) == 1 and gpu.stack_depth == 0
+    assert [name for _, name, _ in gpu.log] == ["tiled_attention", "split_merge"] * 3
+    assert all(stream is None for _, _, stream in gpu.log)  # the legacy default stream
+
+
+def test_a_producer_stream_is_waited_for(gpu, registry, monkeypatch) -> None:
+    synchronised = []
+    monkeypatch.setattr(gpu.driver.Context, "synchronize", lambda: synchronised.append(1))
+    _, buffers = on_fake_gpu(gpu, SMALL)
+    shape = (1, 2, 200, 32)
+    arrays = [
+        FakeArray(shape, pointer=int(b), stream=7 if i == 0 else None)
+        for i, b in enumerate(buffers)
+    ]
+    ka.Attention(registry)(*arrays[:3], True, out=arrays[3])
+    assert synchronised == [1]
+
+
+class Recorder:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.cuda_stream = name, log, 0
+
+    def record(self, stream: Any) -> None:
+        self.log.append(("record", self.name, stream.name))
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append(("wait", self.name, event.name))
+
+
+def torch_on_fake_gpu(gpu: FakeGpu, caller_stream: int) -> types.ModuleType:
+    torch = fake_torch_module()
+    caller = Recorder("caller", gpu.log)
+    caller.cuda_stream = caller_stream
+    events = iter(["inputs_ready", "done"])
+
+    def empty_like(tensor: FakeTensor) -> FakeTensor:
+        allocation = gpu.driver.mem_alloc(int(np.prod(tensor.shape)) * 4)
+        return FakeTensor(tensor.shape, pointer=int(allocation))
+
+    torch.empty_like = empty_like
+    torch.device = lambda kind, index: (kind, index)
+    torch.cuda = types.SimpleNamespace(
+        current_stream=lambda index: caller,
+        ExternalStream=lambda handle, device: Recorder(f"ours:{handle}", gpu.log),
+        Event=lambda: Recorder(next(events), gpu.log),
+    )
+    return torch
+
+
+@pytest.mark.parametrize("caller_stream", [0, 99])
+def test_torch_tensors_run_on_the_callers_stream(gpu, registry, monkeypatch, caller_stream):
+    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu, caller_stream))
+    host, buffers = on_fake_gpu(gpu, SMALL)
+    q, k, v = (FakeTensor(h.shape, pointer=int(b)) for h, b in zip(host, buffers, strict=False))
+    attend = ka.Attention(registry)
+    for _ in range(2):
+        out = attend(q, k, v, causal=True)
+        expected = attention_reference(*(a.reshape(2, 200, 32) for a in host), causal=True)
+        result = read(gpu, out.data_ptr(), host[0].shape).reshape(2, 200, 32)
+        assert np.abs(result - expected).max() < 1e-4
+    launches = [entry for entry in gpu.log if entry[0] == "launch"]
+    if caller_stream == 0:  # torch's default stream is PyCUDA's default: launched right there
+        assert all(stream is None for *_, stream in launches) and len(gpu.log) == len(launches)
+        return
+    fenced = [e[:2] if e[0] == "launch" else e for e in gpu.log]
+    kernels_of_one_call = [("launch", name) for _, name, _ in launches[: len(launches) // 2]]
+    once = [
+        ("record", "inputs_ready", "caller"),
+        ("wait", "ours:4242", "inputs_ready"),
+        *kernels_of_one_call,
+        ("record", "done", "ours:4242"),
+        ("wait", "caller", "done"),
+    ]
+    assert fenced == once * 2
+    assert all(stream.handle == 4242 for *_, stream in launches)
