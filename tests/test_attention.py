@@ -7,6 +7,7 @@ module; a test that reaches CUDA where it should not fails with ``ReachedCuda``.
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import re
@@ -22,7 +23,8 @@ from test_pycuda_backend import FakeGpu, make_driver
 
 import kernels.attention as ka
 from db import DEFAULT_URL, PlanRecord, PlanRegistry
-from kernels import build
+from kernels import attention_args, build, plan_choice
+from kernels.backends import pycuda_attention
 from kernels.build import CompiledKernel, KernelSpec
 from kernels.reference import attention_reference
 from tuner.costmodel import predict_time_ms
@@ -88,6 +90,45 @@ def test_importing_kernels_loads_no_pycuda_torch_or_database() -> None:
     assert done.stdout.strip() == "clean"
 
 
+def pycuda_imports(source: str) -> list[str]:
+    """The pycuda modules a source file imports: import statements, wherever they are (a lazy
+    import inside a function counts), and ``importlib.import_module``/``__import__`` calls.
+
+    Parsed, not grepped: a program held in a string (the CUDA probe ``kernels.backends`` runs in
+    a subprocess) imports nothing into this process.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            function = node.func
+            name = function.attr if isinstance(function, ast.Attribute) else ""
+            name = function.id if isinstance(function, ast.Name) else name
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append(node.args[0].value)
+    return [name for name in found if name == "pycuda" or name.startswith("pycuda.")]
+
+
+def test_only_the_pycuda_backend_modules_import_pycuda() -> None:
+    # DESIGN: nothing outside kernels/backends/pycuda* imports pycuda.
+    root = Path(build.__file__).resolve().parents[1]
+    importers = {
+        path.relative_to(root).as_posix()
+        for package in ("kernels", "tuner")
+        for path in sorted((root / package).rglob("*.py"))
+        if pycuda_imports(path.read_text(encoding="utf-8"))
+    }
+    assert "kernels/backends/pycuda_backend.py" in importers  # the check sees lazy imports
+    assert "kernels/backends/pycuda_attention.py" in importers
+    outside = sorted(p for p in importers if not re.fullmatch(r"kernels/backends/pycuda\w*\.py", p))
+    assert outside == []
+    probe = "x = 'import pycuda.driver'\nimportlib.import_module('pycuda.gpuarray')\n"
+    assert pycuda_imports(probe) == ["pycuda.gpuarray"]
+
+
 def test_kernels_attention_is_the_module_and_calls_the_function(monkeypatch) -> None:
     import kernels
 
@@ -102,7 +143,7 @@ def test_kernels_attention_is_the_module_and_calls_the_function(monkeypatch) -> 
 
 
 def strided(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
-    c_order = ka._c_strides(tuple(shape[i] for i in order))
+    c_order = attention_args._c_strides(tuple(shape[i] for i in order))
     strides = [0] * len(shape)
     for position, axis in enumerate(order):
         strides[axis] = c_order[position]
@@ -256,22 +297,24 @@ def test_the_current_stream_is_read_raw_where_torch_allows() -> None:
     torch = fake_torch_module()
     current = types.SimpleNamespace(cuda_stream=7)
     torch.cuda = types.SimpleNamespace(current_stream=lambda index: current)
-    assert ka._current_stream_handle(torch, 0) == 7  # the public API
+    current_stream_handle = pycuda_attention._current_stream_handle
+    assert current_stream_handle(torch, 0) == 7  # the public API
     torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: 100 + index)
-    assert ka._current_stream_handle(torch, 2) == 102  # the raw query, no Stream object
+    assert current_stream_handle(torch, 2) == 102  # the raw query, no Stream object
 
 
 def test_pointer_facts_give_the_device_and_refuse_host_memory() -> None:
-    inputs = ka.check_inputs(FakeArray(), FakeArray(), FakeArray())
-    on = lambda device, kind=2: ka.PointerFacts(kind, device, 0)  # noqa: E731
-    assert ka.device_of(inputs.arrays, [on(1), on(1), on(1)]) == 1
-    assert ka.device_of(inputs.arrays, [None, None, None]) == 0  # driver not asked: device 0
+    inputs = attention_args.check_inputs(FakeArray(), FakeArray(), FakeArray())
+    on = lambda device, kind=2: attention_args.PointerFacts(kind, device, 0)  # noqa: E731
+    device_of = attention_args.device_of
+    assert device_of(inputs.arrays, [on(1), on(1), on(1)]) == 1
+    assert device_of(inputs.arrays, [None, None, None]) == 0  # driver not asked: device 0
     with pytest.raises(ka.AttentionInputError, match=r"v is on cuda:2 but q is on cuda:1"):
-        ka.device_of(inputs.arrays, [on(1), on(1), on(2)])
+        device_of(inputs.arrays, [on(1), on(1), on(2)])
     with pytest.raises(ka.AttentionInputError, match=r"k's data pointer .* page-locked host"):
-        ka.device_of(inputs.arrays, [on(0), on(0, kind=1), on(0)])
+        device_of(inputs.arrays, [on(0), on(0, kind=1), on(0)])
     with pytest.raises(ka.AttentionInputError, match=r"not memory CUDA knows"):
-        ka.device_of(inputs.arrays, [on(0, kind=0), on(0), on(0)])
+        device_of(inputs.arrays, [on(0, kind=0), on(0), on(0)])
 
 
 # ------------------------------------------------------------------------ plan choice
@@ -300,8 +343,8 @@ class CountingRegistry:
         return self.inner.cached_best(*args, **kwargs)
 
 
-def chooser(registry: Any, **options: Any) -> ka.PlanChooser:
-    return ka.PlanChooser(registry, ENV, H200, source_hashes=HASHES, **options)
+def chooser(registry: Any, **options: Any) -> plan_choice.PlanChooser:
+    return plan_choice.PlanChooser(registry, ENV, H200, source_hashes=HASHES, **options)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -478,8 +521,9 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGpu:
 
     monkeypatch.setattr(build, "compile_kernel", fake_compile)
     # Never the real driver from this process: the suite forks CUDA workers elsewhere.
-    monkeypatch.setattr(ka, "current_context", lambda: None)
-    monkeypatch.setattr(ka, "query_pointer", lambda pointer: ka.PointerFacts(2, 0, 0))
+    monkeypatch.setattr(pycuda_attention, "current_context", lambda: None)
+    facts = attention_args.PointerFacts(2, 0, 0)
+    monkeypatch.setattr(attention_args, "query_pointer", lambda pointer: facts)
     state.driver = driver
     return state
 

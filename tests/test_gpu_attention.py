@@ -228,7 +228,7 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
                 *launch.args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes
             )
 
-    with runner.backend._active():
+    with runner.backend.active():
         bare_us = per_call_us(bare)
     # No host synchronisation: a call whose kernels take milliseconds returns long before.
     big = inputs(torch, (1, 16, 4096, 128), seed=5)

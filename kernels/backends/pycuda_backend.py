@@ -1,11 +1,12 @@
 """The PyCUDA backend: compile (cached), launch, parity-check and time one plan on a real GPU.
 
-The only module that imports pycuda, and only inside functions, so the
-package imports on machines without CUDA. It works in the device's *primary*
-context (``retain_primary_context``), the one the CUDA runtime and torch use,
-so pycuda and torch share one process (``bench/speed_check.py``); the context
-is pushed around each call and popped after, so the backend can be used from
-any thread and leaves the caller's context stack as it found it.
+With ``pycuda_attention`` (the deploy path) the only modules that import
+pycuda, and only inside functions, so the package imports on machines without
+CUDA. It works in the device's *primary* context (``retain_primary_context``),
+the one the CUDA runtime and torch use, so pycuda and torch share one process
+(``bench/speed_check.py``); the context is pushed around each call and popped
+after, so the backend can be used from any thread and leaves the caller's
+context stack as it found it.
 
 Per problem (not per candidate) it allocates the device buffers, draws fresh
 seeded random-normal inputs, computes the float64 CPU reference (whole or
@@ -160,7 +161,8 @@ class PyCudaBackend(Backend):
         self._drv, self._device, self._context = drv, device, context
 
     @contextlib.contextmanager
-    def _active(self) -> Iterator[Any]:
+    def active(self) -> Iterator[Any]:
+        """The device's primary context pushed for the block; yields ``pycuda.driver``."""
         self._open()
         self._context.push()
         try:
@@ -172,7 +174,7 @@ class PyCudaBackend(Backend):
     def close(self) -> None:
         if self._context is None:
             return
-        with contextlib.suppress(Exception), self._active():
+        with contextlib.suppress(Exception), self.active():
             # Free device memory while the context is current.
             self._state = None
             self._flush_buffer = None
@@ -283,7 +285,7 @@ class PyCudaBackend(Backend):
         judged = plan.with_resources(compiled.primary_resources, device)
         if not judged.feasible and self.judge_resources:
             return Measurement.failed(Failure.INFEASIBLE, judged.reason, measured=False)
-        with self._active() as drv:
+        with self.active() as drv:
             try:
                 return self._measure_loaded(drv, judged, compiled)
             except _LaunchRefused as refused:
@@ -295,7 +297,7 @@ class PyCudaBackend(Backend):
     def inputs(self, problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The host copies of the problem's inputs (q, k, v as ``[batch*heads, seq_len,
         head_dim]`` float32) that every candidate runs on, so peers can be timed on them too."""
-        with self._active() as drv:
+        with self.active() as drv:
             state = self._problem_state(drv, problem)
         return state.host_q, state.host_k, state.host_v
 
@@ -308,7 +310,7 @@ class PyCudaBackend(Backend):
         compiled = build.compile_kernel(plan, self.cache_dir, arch=self.device_profile().arch)
         if isinstance(compiled, build.CompileFailure):
             raise BackendError(f"{plan.key()} does not compile: {compiled.reason}")
-        with self._active() as drv:
+        with self.active() as drv:
             try:
                 state, run = self._prepare(drv, plan, compiled)
                 return self._run_once(drv, state, run)
@@ -338,7 +340,7 @@ class PyCudaBackend(Backend):
     ) -> tuple[_ProblemState, Callable[[], None]]:
         """The problem's state and a closure launching ``plan`` once (nothing run yet)."""
         state = self._problem_state(drv, plan.problem)
-        functions = self._functions(drv, compiled)
+        functions = self.functions(drv, compiled)
         launches = launch_sequence(plan, self._buffers(drv, state, plan))
 
         def run() -> None:
@@ -423,7 +425,11 @@ class PyCudaBackend(Backend):
             partial_ml=int(state.partial_ml) if with_partials else 0,
         )
 
-    def _functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:
+    def functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:
+        """The entry functions of ``compiled``, its cubin loaded once per compile key.
+
+        Call inside ``active()``; a cubin that does not load raises (``_LaunchRefused``).
+        """
         module = self._modules.get(compiled.key)
         if module is None:
             try:

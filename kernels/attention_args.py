@@ -1,0 +1,320 @@
+"""The arguments of ``kernels.attention``, checked before any launch.
+
+Inputs: ``[batch, heads, seq_len, head_dim]`` float32 C-contiguous device arrays of one shape on
+one GPU: torch CUDA tensors, PyCUDA ``GPUArray``s, or anything with ``__cuda_array_interface__``.
+``check_inputs`` checks every argument (kind, dtype, rank, contiguity) and their agreement
+(kind, shape, torch device, ``out`` writable and apart from the inputs) without a CUDA call;
+``AttentionInputError`` (a ``TunerError`` and a ``ValueError``; ``AttentionInputTypeError`` also
+a ``TypeError``) names the argument, what it was and what is expected.
+
+The interface carries no device, so for non-torch arrays ``interface_device`` asks the driver
+for the device, memory type and owning context of each pointer (``cuPointerGetAttributes`` in
+libcuda, through ctypes: no pycuda here) and refuses host memory and arrays on two GPUs.
+torch is never imported here: a torch tensor exists only if the caller imported torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tuner.errors import TunerError
+
+LAYOUT = "[batch, heads, seq_len, head_dim]"
+FLOAT32 = np.dtype(np.float32)
+# CUpointer_attribute and CUmemorytype values (cuda.h)
+_CONTEXT, _MEMORY_TYPE, _DEVICE_ORDINAL = 1, 2, 9
+_HOST, _DEVICE, _UNIFIED = 1, 2, 4
+
+
+class AttentionInputError(TunerError, ValueError):
+    """An argument of ``attention`` is not what it must be; the message names it."""
+
+
+class AttentionInputTypeError(AttentionInputError, TypeError):
+    """An argument of the wrong kind or dtype."""
+
+
+class DeviceArray(NamedTuple):
+    """What the checks learned about one argument (a tuple: cheap to make on every call)."""
+
+    name: str
+    value: Any
+    is_torch: bool
+    shape: tuple[int, ...]
+    pointer: int
+    device: int | None  # torch's device index; None for interface arrays (the pointer says)
+    stream: int | None = None  # interface v3 "stream": the producer's stream
+    readonly: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * FLOAT32.itemsize
+
+
+class Inputs(NamedTuple):
+    q: DeviceArray
+    k: DeviceArray
+    v: DeviceArray
+    out: DeviceArray | None
+
+    @property
+    def arrays(self) -> tuple[DeviceArray, ...]:
+        given = (self.q, self.k, self.v)
+        return given if self.out is None else (*given, self.out)
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _kind(array: DeviceArray) -> str:
+    return "torch tensor" if array.is_torch else f"device array ({_type_name(array.value)})"
+
+
+def _check_shape(name: str, shape: tuple[int, ...]) -> None:
+    if len(shape) != 4:
+        raise AttentionInputError(
+            f"{name} has {len(shape)} dimensions (shape {shape}); expected 4: {LAYOUT}"
+        )
+    if 0 in shape:
+        raise AttentionInputError(
+            f"{name} has shape {shape} with an empty dimension; each of {LAYOUT} must be > 0"
+        )
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], FLOAT32.itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    # A dimension of size 1 is never stepped over, so its stride does not matter (numpy's rule).
+    return all(
+        size == 1 or stride == want
+        for size, stride, want in zip(shape, strides, _c_strides(shape), strict=True)
+    )
+
+
+def describe(name: str, value: Any) -> DeviceArray:
+    """Check one argument on its own (kind, dtype, rank, contiguity); no CUDA call."""
+    torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _describe_tensor(name, value, torch)
+    try:
+        interface = value.__cuda_array_interface__
+    except AttributeError:
+        interface = None
+    except Exception as error:  # some producers raise their own errors from the property
+        raise AttentionInputTypeError(
+            f"{name}: its __cuda_array_interface__ cannot be read: {error}"
+        ) from error
+    if not isinstance(interface, Mapping):
+        host = " in host memory" if hasattr(value, "__array_interface__") else ""
+        raise AttentionInputTypeError(
+            f"{name} is a {_type_name(value)}{host}; expected a device array: a torch CUDA "
+            "tensor, a pycuda GPUArray or an object with __cuda_array_interface__"
+        )
+    return _describe_interface(name, value, interface)
+
+
+def _describe_tensor(name: str, value: Any, torch: Any) -> DeviceArray:
+    device = value.device
+    if device.type != "cuda":
+        raise AttentionInputTypeError(
+            f"{name} is a torch tensor on {device}; expected a CUDA tensor ({name}.cuda())"
+        )
+    if value.dtype != torch.float32:
+        raise AttentionInputTypeError(f"{name} has dtype {value.dtype}; expected torch.float32")
+    shape = tuple(value.shape)  # torch.Size: ints already
+    _check_shape(name, shape)
+    if not value.is_contiguous():
+        raise AttentionInputError(
+            f"{name} is not C-contiguous (shape {shape}, strides {tuple(value.stride())} "
+            f"elements); pass {name}.contiguous()"
+        )
+    if value.requires_grad and torch.is_grad_enabled():
+        raise AttentionInputError(
+            f"{name} requires grad, but kernels.attention has no backward pass; call it under "
+            f"torch.no_grad() or pass {name}.detach()"
+        )
+    return DeviceArray(name, value, True, shape, value.data_ptr(), device.index or 0)
+
+
+def _describe_interface(name: str, value: Any, interface: Mapping[str, Any]) -> DeviceArray:
+    try:
+        shape = tuple(int(size) for size in interface["shape"])
+        typestr = interface["typestr"]
+        pointer, readonly = interface["data"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise AttentionInputTypeError(
+            f"{name}'s __cuda_array_interface__ is malformed ({error!r}); it needs shape, "
+            "typestr and data"
+        ) from error
+    try:
+        dtype: np.dtype | None = np.dtype(typestr)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype != FLOAT32:
+        raise AttentionInputTypeError(
+            f"{name} has dtype {dtype if dtype is not None else '?'} (typestr {typestr!r}); "
+            "expected float32 ('<f4')"
+        )
+    _check_shape(name, shape)
+    strides = interface.get("strides")
+    if strides is not None and len(strides) != len(shape):
+        raise AttentionInputTypeError(f"{name} has {len(strides)} strides for shape {shape}")
+    if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides)):
+        raise AttentionInputError(
+            f"{name} is not C-contiguous (shape {shape}, strides {tuple(strides)} bytes; "
+            f"C order is {_c_strides(shape)})"
+        )
+    if interface.get("mask") is not None:
+        raise AttentionInputError(f"{name} has a mask; masked arrays are not supported")
+    if not pointer:
+        raise AttentionInputError(f"{name} has a null data pointer")
+    stream = interface.get("stream")
+    return DeviceArray(
+        name,
+        value,
+        False,
+        shape,
+        int(pointer),
+        None,
+        stream=None if stream is None else int(stream),
+        readonly=bool(readonly),
+    )
+
+
+def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
+    """Check every argument and their agreement; no CUDA call (the pointer checks come later)."""
+    first, *given = describe("q", q), describe("k", k), describe("v", v)
+    result = describe("out", out) if out is not None else None
+    for other in given if result is None else (*given, result):
+        if other.is_torch != first.is_torch:
+            raise AttentionInputTypeError(
+                f"{other.name} is a {_kind(other)} but q is a {_kind(first)}; pass q, k, v "
+                "(and out) of one kind"
+            )
+        if other.shape != first.shape:
+            which = "out" if other.name == "out" else "k and v"
+            raise AttentionInputError(
+                f"{other.name} has shape {other.shape} but q has shape {first.shape}; {which} "
+                "must have q's shape"
+            )
+        if other.device != first.device:
+            raise AttentionInputError(
+                f"{other.name} is on cuda:{other.device} but q is on cuda:{first.device}; all "
+                "arrays must be on one GPU"
+            )
+    if result is not None:
+        if result.readonly:
+            raise AttentionInputError("out is read-only (its __cuda_array_interface__ says so)")
+        nbytes = result.nbytes  # every array has q's shape by now
+        for array in (first, *given):
+            if array.pointer < result.pointer + nbytes and result.pointer < array.pointer + nbytes:
+                raise AttentionInputError(
+                    f"out overlaps {array.name} in memory; the kernels read {array.name} while "
+                    "writing out: pass a separate array"
+                )
+    return Inputs(first, *given, result)
+
+
+def check_causal(causal: Any) -> bool:
+    if not isinstance(causal, bool | np.bool_):
+        raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
+
+
+# ---------------------------------------------------------------------------- pointer facts
+
+
+class PointerFacts(NamedTuple):
+    """What the driver says about a pointer (``cuPointerGetAttributes``)."""
+
+    memory_type: int  # CUmemorytype; 0: not memory CUDA knows
+    device: int
+    context: int  # the owning CUcontext; 0 when the allocation has none (pools, VMM)
+
+
+@functools.cache
+def _libcuda() -> Any | None:
+    """The driver library (loaded already where pycuda or torch run); None where absent."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll", ctypes.util.find_library("cuda")):
+        if not name:
+            continue
+        with contextlib.suppress(OSError):
+            library = ctypes.CDLL(name)
+            library.cuPointerGetAttributes.argtypes = [
+                ctypes.c_uint,
+                ctypes.POINTER(ctypes.c_int),
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_ulonglong,
+            ]
+            library.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            library.cuInit(0)  # idempotent; pointer queries need an initialised driver
+            return library
+    return None
+
+
+def query_pointer(pointer: int) -> PointerFacts | None:
+    """The pointer's memory type, device and context; None where the driver cannot be asked."""
+    library = _libcuda()
+    if library is None:
+        return None
+    context, memory_type, ordinal = ctypes.c_void_p(), ctypes.c_uint(0), ctypes.c_int(-1)
+    attributes = (ctypes.c_int * 3)(_CONTEXT, _MEMORY_TYPE, _DEVICE_ORDINAL)
+    data = (ctypes.c_void_p * 3)(
+        ctypes.addressof(context), ctypes.addressof(memory_type), ctypes.addressof(ordinal)
+    )
+    # Unlike the singular call, this one reports unknown (host) pointers as type 0, not an error.
+    if library.cuPointerGetAttributes(3, attributes, data, pointer) != 0:
+        return None
+    return PointerFacts(memory_type.value, ordinal.value, context.value or 0)
+
+
+def current_context() -> int | None:
+    library = _libcuda()
+    handle = ctypes.c_void_p()
+    if library is None or library.cuCtxGetCurrent(ctypes.byref(handle)) != 0:
+        return None
+    return handle.value or 0
+
+
+def device_of(arrays: Sequence[DeviceArray], facts: Sequence[PointerFacts | None]) -> int:
+    """The one GPU the interface arrays are on, from their pointers (device 0 if none says)."""
+    device, first = None, ""
+    for array, fact in zip(arrays, facts, strict=True):
+        if fact is None:
+            continue
+        if fact.memory_type not in (_DEVICE, _UNIFIED):
+            what = {0: "not memory CUDA knows (host memory?)", _HOST: "page-locked host memory"}
+            raise AttentionInputError(
+                f"{array.name}'s data pointer {array.pointer:#x} is "
+                f"{what.get(fact.memory_type, 'a CUDA array')}; expected device memory"
+            )
+        if device is None:
+            device, first = fact.device, array.name
+        elif fact.device != device:
+            raise AttentionInputError(
+                f"{array.name} is on cuda:{fact.device} but {first} is on cuda:{device}; all "
+                "arrays must be on one GPU"
+            )
+    return device if device is not None else 0
+
+
+def interface_device(inputs: Inputs) -> tuple[int, list[PointerFacts | None]]:
+    facts = [query_pointer(array.pointer) for array in inputs.arrays]
+    return device_of(inputs.arrays, facts), facts

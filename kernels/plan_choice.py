@@ -1,0 +1,209 @@
+"""Which kernel plan a shape runs with at deploy time, chosen once per shape and GPU.
+
+``PlanChooser.plan_for(problem)`` asks the registry once per (shape, causal, dtype) with the
+live GPU's ``Environment`` and the current kernel source hashes. A stale (source changed) or
+predicted-only plan is used with a warning, a plan tuned on the same GPU model under another
+toolchain too; a plan from another GPU is not used. Without one, the planner's default plan (the
+feasible candidate with the lowest predicted time on the live device that passes ``check``) is
+used, with a warning. Warnings go to the ``kernels.attention`` logger, once per shape.
+
+Pure apart from the injected ``check`` (on a GPU: compile and judge the compiler's resources)
+and the registry handle, so it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernels import build
+from tuner.costmodel import predict_time_ms
+from tuner.device import DeviceProfile
+from tuner.environment import Environment
+from tuner.errors import BackendError
+from tuner.planner.space import candidate_space
+from tuner.planner.tunable import FAMILIES, KernelParams, KernelPlan, plan_kernel
+from tuner.problem import Problem
+
+if TYPE_CHECKING:
+    from db import StoredPlan
+
+#: the deploy helper's logger: its users filter on this name, whichever module logs
+logger = logging.getLogger("kernels.attention")
+
+#: the file of ``db.DEFAULT_URL`` (sqlite:///db/plans.sqlite), relative to the working directory
+DEFAULT_REGISTRY_FILE = Path("db") / "plans.sqlite"
+#: default-plan candidates tried (best prediction first) before giving up on a shape
+DEFAULT_PLAN_TRIES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenPlan:
+    plan: KernelPlan
+    origin: str  # "registry" (a stored plan) or "default" (the planner's best prediction)
+    stored: StoredPlan | None = None
+    warnings: tuple[str, ...] = ()
+
+
+PlanCheck = Callable[[KernelPlan], "KernelPlan | str"]
+
+
+def current_source_hashes() -> dict[str, str]:
+    return {family: build.source_hash(family) for family in build.SOURCES}
+
+
+def _same_gpu(one: Environment, other: Environment) -> bool:
+    return (one.gpu_name, one.compute_capability, one.sm_count) == (
+        other.gpu_name,
+        other.compute_capability,
+        other.sm_count,
+    )
+
+
+def _toolchain(environment: Environment) -> str:
+    e = environment
+    return (
+        f"driver {e.driver_version or '?'}, CUDA {e.cuda_version or '?'}, "
+        f"nvcc {e.nvcc_version or '?'}, pycuda {e.pycuda_version or '?'}"
+    )
+
+
+class PlanChooser:
+    """The plan of each shape on one GPU, chosen once; pure (``check`` compiles on a GPU).
+
+    ``registry`` is anything with ``PlanRegistry.cached_best``'s signature, or None.
+    ``check(plan)`` returns the plan judged with the compiler's resources, or why it cannot run.
+    """
+
+    def __init__(
+        self,
+        registry: Any,
+        environment: Environment,
+        device: DeviceProfile,
+        *,
+        source_hashes: Mapping[str, str] | None = None,
+        nearest: bool = False,
+        check: PlanCheck | None = None,
+        registry_label: str = "",
+    ) -> None:
+        self.registry = registry
+        self.environment = environment
+        self.device = device
+        hashes = current_source_hashes() if source_hashes is None else source_hashes
+        self.source_hashes = dict(hashes)
+        self.nearest = nearest
+        self._check: PlanCheck = check or (lambda plan: plan)
+        self._label = registry_label or str(getattr(registry, "url", "")) or "(unnamed)"
+        self._plans: dict[Problem, ChosenPlan] = {}
+        self._lock = threading.Lock()
+
+    def plan_for(self, problem: Problem) -> ChosenPlan:
+        chosen = self._plans.get(problem)
+        if chosen is None:
+            with self._lock:  # one thread chooses (and compiles); the others wait for it
+                chosen = self._plans.get(problem)
+                if chosen is None:
+                    chosen = self._plans[problem] = self._choose(problem)
+        return chosen
+
+    def _choose(self, problem: Problem) -> ChosenPlan:
+        stored, why = self._lookup(problem)
+        if stored is not None:
+            plan = self._replan(problem, stored)
+            if isinstance(plan, KernelPlan):
+                notes = self._doubts(problem, stored, plan)
+                for note in notes:
+                    logger.warning(note)
+                if stored.fallback:
+                    logger.info(
+                        "no plan for %s; using the one tuned for the nearest shape %s",
+                        problem.label(),
+                        stored.problem.label(),
+                    )
+                return ChosenPlan(plan, "registry", stored, notes)
+            why = f"the registry's plan for {problem.label()} cannot run here: {plan}"
+        plan = self._default(problem)
+        note = (
+            f"{why}; using the planner's default plan {plan.key()} (predicted "
+            f"{predict_time_ms(plan, self.device):.3f} ms on {self.device.name})"
+        )
+        logger.warning(note)
+        return ChosenPlan(plan, "default", None, (note,))
+
+    def _lookup(self, problem: Problem) -> tuple[StoredPlan | None, str]:
+        label = problem.label()
+        if self.registry is None:
+            return None, f"no plan registry (none given, no {DEFAULT_REGISTRY_FILE} here)"
+        ask = {"nearest": self.nearest, "source_hashes": self.source_hashes}
+        found = self.registry.cached_best(problem, self.environment, **ask)
+        if found is not None:
+            return found, ""
+        # Plans of the same GPU model under another driver/nvcc/pycuda are still good plans.
+        anywhere = self.registry.cached_best(problem, None, **ask)
+        if anywhere is None:
+            return None, f"no plan for {label} in registry {self._label}"
+        if _same_gpu(anywhere.environment, self.environment):
+            return anywhere, ""
+        other = anywhere.environment
+        return None, (
+            f"registry {self._label} holds a plan for {label} only for another GPU "
+            f"({other.gpu_name}, {other.sm_count} SMs), not this {self.environment.gpu_name}"
+        )
+
+    def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:
+        record = stored.record
+        names = {f.name for f in fields(KernelParams)} - {"family"}
+        if record.family not in FAMILIES or "threads" not in record.params:
+            return f"{record.family} {record.params} is not a kernel this version knows"
+        if not set(record.params) <= names:
+            return f"unknown tunables {sorted(set(record.params) - names)}"
+        params = KernelParams(record.family, **record.params)  # type: ignore[arg-type]
+        plan = plan_kernel(problem, params, self.device)
+        return self._check(plan) if plan.feasible else plan.reason
+
+    def _doubts(self, problem: Problem, stored: StoredPlan, plan: KernelPlan) -> tuple[str, ...]:
+        record, where = stored.record, f"registry plan {plan.key()} for {problem.label()}"
+        notes = []
+        if stored.stale:
+            current = self.source_hashes.get(record.family, "")
+            notes.append(
+                f"{where} was measured under an older {record.family} kernel source "
+                f"({record.source_hash[:12] or '?'}, now {current[:12]}); using it, but its "
+                "timing says nothing about today's kernel: re-tune"
+            )
+        elif not record.measured:
+            notes.append(
+                f"{where} is only predicted by the cost model, never timed; using it: tune on "
+                "this GPU for a measured plan"
+            )
+        if stored.environment != self.environment:
+            notes.append(
+                f"{where} was tuned on this GPU model under another toolchain "
+                f"({_toolchain(stored.environment)}; here {_toolchain(self.environment)}); "
+                "using it"
+            )
+        return tuple(notes)
+
+    def _default(self, problem: Problem) -> KernelPlan:
+        label, space = problem.label(), candidate_space(problem, self.device)
+        if not space.feasible:
+            first = space.rejected[0].reason if space.rejected else "none planned"
+            raise BackendError(
+                f"no feasible kernel plan for {label} on {self.device.name}: all "
+                f"{len(space.rejected)} candidates rejected (first: {first})"
+            )
+        ranked = sorted(space.feasible, key=lambda plan: predict_time_ms(plan, self.device))
+        failures = []
+        for plan in ranked[:DEFAULT_PLAN_TRIES]:
+            checked = self._check(plan)
+            if isinstance(checked, KernelPlan):
+                return checked
+            failures.append(f"{plan.key()}: {checked}")
+        raise BackendError(
+            f"no runnable kernel plan for {label} on {self.device.name}: the "
+            f"{len(failures)} best predictions failed (first: {failures[0]})"
+        )
