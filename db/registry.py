@@ -20,6 +20,8 @@ one at an unknown (newer) revision is refused.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -39,6 +41,11 @@ from tuner.problem import Problem
 
 _T = TypeVar("_T")
 DEFAULT_HISTORY_LIMIT = 100
+# A write that loses a deadlock or serialization conflict (PostgreSQL) was rolled
+# back whole, so it runs again; a handful of tries, with jittered backoff so the
+# same writers do not collide again in lockstep.
+WRITE_ATTEMPTS = 8
+RETRY_BACKOFF_S = 0.01
 
 
 class PlanRegistry:
@@ -246,8 +253,17 @@ class PlanRegistry:
         if self._readonly:
             raise RegistryError(f"cannot {what}: registry {self._label} was opened read-only")
         try:
-            with storage.session_scope(self._live_engine(), self._label, write=True) as session:
-                return work(session)
+            for attempt in range(1, WRITE_ATTEMPTS + 1):
+                try:
+                    with storage.session_scope(
+                        self._live_engine(), self._label, write=True
+                    ) as session:
+                        return work(session)
+                except storage.WriteConflict:
+                    if attempt == WRITE_ATTEMPTS:
+                        raise
+                    time.sleep(random.uniform(0.5, 1.5) * RETRY_BACKOFF_S * attempt)
+            raise AssertionError("unreachable: the last attempt returns or raises")
         finally:
             # The cache must never outlive a change made through this handle;
             # clearing after a failed write only costs a re-query.

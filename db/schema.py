@@ -35,6 +35,9 @@ KNOWN_REVISIONS = ("0001", "0002")
 HEAD_REVISION = KNOWN_REVISIONS[-1]
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"
+# PostgreSQL advisory lock key serialising upgrades (any fixed 64-bit number
+# unlikely to be used by another application on the same server).
+PG_UPGRADE_LOCK_KEY = 0x66612D74756E6572  # "fa-tuner"
 
 
 class _Empty:
@@ -133,8 +136,9 @@ def verify(engine: Engine, label: str, *, create: bool) -> None:
 def upgrade(engine: Engine, label: str) -> tuple[str | None, str]:
     """Bring the database to the newest revision; returns (revision before, after).
 
-    Runs inside one write transaction (``BEGIN IMMEDIATE`` on SQLite): two
-    processes upgrading at once serialise, and the second finds nothing to do.
+    Runs inside one write transaction (``BEGIN IMMEDIATE`` on SQLite, a
+    transaction-level advisory lock on PostgreSQL, whose DDL is transactional):
+    two processes upgrading at once serialise, and the second finds nothing to do.
     SQLite's batch migrations recreate tables that others reference, so foreign
     keys are off for that transaction and checked by ``foreign_key_check``
     before it commits.
@@ -147,6 +151,7 @@ def upgrade(engine: Engine, label: str) -> tuple[str | None, str]:
             connection = connection.execution_options(**options)
             try:
                 with connection.begin():
+                    _lock_out_other_upgrades(connection)
                     before = read_state(connection)
                     if before is FOREIGN or (
                         isinstance(before, str) and before not in KNOWN_REVISIONS
@@ -162,6 +167,17 @@ def upgrade(engine: Engine, label: str) -> tuple[str | None, str]:
     except CommandError as e:
         raise RegistryError(f"cannot upgrade registry {label}: {e}") from e
     return (before if isinstance(before, str) else None), HEAD_REVISION
+
+
+def _lock_out_other_upgrades(connection: Connection) -> None:
+    """On PostgreSQL, wait for any other upgrade to commit before reading the revision.
+
+    Without it, writers opening an empty database at once would all see it
+    empty and race to create the same tables. Under READ COMMITTED the state
+    read after the lock sees what the previous holder committed.
+    """
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_UPGRADE_LOCK_KEY})
 
 
 def _run_migrations(connection: Connection) -> None:

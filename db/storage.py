@@ -15,11 +15,27 @@ SQLite (the default) gets:
   lock conflict waits in the busy handler instead of failing mid-transaction;
 * read-only handles opened through a ``file:...?mode=ro`` URI, so SQLite
   itself refuses writes and never creates a missing file.
+
+PostgreSQL (``postgresql+psycopg://user@host:port/db``, the ``postgres`` extra) gets:
+
+* a connect timeout (``CONNECT_TIMEOUT_S`` unless the URL sets ``connect_timeout``),
+  so an unreachable server is a quick one-line error, not a hang;
+* the server's default READ COMMITTED isolation for writes: ``db.writes`` locks
+  the best pointer with ``SELECT ... FOR UPDATE`` before comparing, and inserts
+  racing on a unique key resolve through a savepoint. Deadlocks and
+  serialization failures (possible when two imports touch the same problems in
+  different orders) leave as ``WriteConflict``, and ``PlanRegistry`` retries the
+  whole write transaction;
+* read-only handles whose every transaction is ``READ ONLY``
+  (``postgresql_readonly``), so the server itself refuses writes;
+* connection errors (unreachable, bad credentials, missing database) as one
+  line naming host:port and database.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -38,12 +54,39 @@ from tuner.errors import RegistryError
 
 DEFAULT_URL = "sqlite:///db/plans.sqlite"
 BUSY_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5  # libpq's connect_timeout, whole seconds
 
 # Connection execution options read by the ``begin`` hook.
 BEGIN_MODE_OPTION = "registry_sqlite_begin"  # "DEFERRED" (reads) or "IMMEDIATE" (writes)
 FOREIGN_KEYS_OFF_OPTION = "registry_sqlite_foreign_keys_off"  # migrations only
 
 _NOT_A_DATABASE = ("file is not a database", "malformed", "not a database", "corrupt")
+
+# SQLSTATEs after which the whole write transaction can simply run again.
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+
+# libpq reports connection failures as text only (no SQLSTATE reaches psycopg).
+_PG_MISSING_DATABASE = re.compile(r'database "[^"]*" does not exist')
+_PG_BAD_CREDENTIALS = (
+    "password authentication failed",
+    "no password supplied",
+    "authentication failed",
+    "role ",  # role "x" does not exist
+    "pg_hba.conf",
+)
+_PG_UNREACHABLE = (
+    "connection refused",
+    "could not connect",
+    "timeout expired",
+    "could not translate host name",
+    "no route to host",
+    "network is unreachable",
+    "server closed the connection",
+)
+
+
+class WriteConflict(RegistryError):
+    """A write transaction lost a deadlock or serialization conflict; running it again is safe."""
 
 
 # Parsed once at import: checks the default, and compiles SQLAlchemy's URL
@@ -86,7 +129,7 @@ def create_registry_engine(url: URL, *, readonly: bool) -> Engine:
     """An engine for ``url``, checking the file system first for SQLite."""
     try:
         if not is_sqlite(url):
-            return create_engine(url, pool_pre_ping=True)
+            return _server_engine(url, readonly=readonly)
         path = sqlite_file(url)
         if readonly and path is not None:
             engine = _sqlite_readonly_engine(url, path)
@@ -102,6 +145,23 @@ def create_registry_engine(url: URL, *, readonly: bool) -> Engine:
         raise RegistryError(f"cannot use registry URL {describe(url)}: {one_line(e)}") from e
     _install_sqlite_hooks(engine, writer=not readonly)
     return engine
+
+
+def _server_engine(url: URL, *, readonly: bool) -> Engine:
+    """An engine for a database server (PostgreSQL; other servers get SQLAlchemy's defaults)."""
+    if url.get_backend_name() != "postgresql":
+        return create_engine(url, pool_pre_ping=True)
+    connect_args: dict[str, object] = {}
+    if "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
+    options: dict[str, object] = {}
+    if readonly:
+        # Every transaction of this engine begins READ ONLY: the server, not
+        # just this handle, refuses writes.
+        options["postgresql_readonly"] = True
+    return create_engine(
+        url, pool_pre_ping=True, connect_args=connect_args, execution_options=options
+    )
 
 
 def _prepare_writable_file(path: Path) -> None:
@@ -162,10 +222,22 @@ def _install_sqlite_hooks(engine: Engine, *, writer: bool) -> None:
         connection.exec_driver_sql(f"BEGIN {options.get(BEGIN_MODE_OPTION, 'DEFERRED')}")
 
 
+def is_retryable(error: BaseException) -> bool:
+    """A deadlock or serialization failure: the transaction was rolled back and may rerun."""
+    source = error.orig if isinstance(error, DBAPIError) else error
+    return getattr(source, "sqlstate", None) in _RETRYABLE_SQLSTATES
+
+
 def registry_error(error: BaseException, label: str) -> RegistryError:
     """One clear line for a database error; the caller chains it with ``from``."""
     detail = one_line(error)
     lowered = detail.lower()
+    if is_retryable(error):
+        return WriteConflict(f"registry {label}: write conflict with another writer ({detail})")
+    if label.startswith("postgresql"):
+        connection_error = _postgres_connection_error(detail, label)
+        if connection_error is not None:
+            return connection_error
     if any(marker in lowered for marker in _NOT_A_DATABASE):
         return RegistryError(f"{label} is not a readable plan registry database ({detail})")
     if "database is locked" in lowered:
@@ -176,6 +248,38 @@ def registry_error(error: BaseException, label: str) -> RegistryError:
     if "readonly database" in lowered or "read-only" in lowered:
         return RegistryError(f"registry {label} is read-only here ({detail})")
     return RegistryError(f"registry {label}: {detail}")
+
+
+def _postgres_connection_error(detail: str, label: str) -> RegistryError | None:
+    """Why a PostgreSQL connection failed, naming host:port and database; None if it did not."""
+    lowered = detail.lower()
+    markers = ("connection failed", "connection to server", "could not connect")
+    if not any(marker in lowered for marker in markers):
+        return None
+    try:
+        url = make_url(label)
+    except ArgumentError:
+        return None
+    host, port = url.host or "localhost", url.port or 5432
+    place = f"{host}:{port}"
+    database = url.database or url.username or "(default)"
+    # libpq's text says "connection to server at "h", port p failed: REASON"; keep REASON.
+    reason = detail.rsplit("failed:", 1)[-1].replace("FATAL:", "").strip() or detail
+    if _PG_MISSING_DATABASE.search(lowered):
+        return RegistryError(
+            f"database {database!r} does not exist on the PostgreSQL server at {place}; "
+            f"create it (createdb -h {host} -p {port} {database}) or fix the URL"
+        )
+    if any(marker in lowered for marker in _PG_BAD_CREDENTIALS):
+        return RegistryError(
+            f"the PostgreSQL server at {place} refused user {url.username!r} for database "
+            f"{database!r}: {reason}; check the user and password in the URL"
+        )
+    if any(marker in lowered for marker in _PG_UNREACHABLE):
+        return RegistryError(
+            f"cannot reach the PostgreSQL server at {place} (database {database!r}): {reason}"
+        )
+    return RegistryError(f"cannot connect to {place}/{database} for registry {label}: {reason}")
 
 
 @contextmanager

@@ -1,4 +1,8 @@
-"""Several processes recording into one SQLite registry at once lose nothing."""
+"""Several processes recording into one SQLite registry at once lose nothing.
+
+``run_writers`` and ``check_every_plan_and_the_true_best`` are shared with the
+PostgreSQL test (tests/test_registry_postgres.py).
+"""
 
 from __future__ import annotations
 
@@ -20,11 +24,11 @@ ENVIRONMENTS = [
 ]
 
 
-def planned(worker: int) -> list[tuple[int, int, PlanRecord]]:
+def planned(worker: int, count: int = PLANS_PER_WORKER) -> list[tuple[int, int, PlanRecord]]:
     """Worker ``worker``'s plans: (shape index, environment index, plan), deterministic."""
     rng = random.Random(worker)
     plans = []
-    for trial in range(PLANS_PER_WORKER):
+    for trial in range(count):
         record = PlanRecord(
             family="tiled",
             params={"tile_size": rng.choice([16, 32, 64]), "worker": worker},
@@ -38,21 +42,25 @@ def planned(worker: int) -> list[tuple[int, int, PlanRecord]]:
     return plans
 
 
-def record_all(url: str, worker: int, start: multiprocessing.synchronize.Barrier) -> None:
+def record_all(
+    url: str,
+    worker: int,
+    start: multiprocessing.synchronize.Barrier,
+    count: int = PLANS_PER_WORKER,
+) -> None:
     with PlanRegistry.open(url) as registry:
         start.wait()  # every worker holds an open handle before anyone writes
-        for shape, environment, record in planned(worker):
+        for shape, environment, record in planned(worker, count):
             registry.record(SHAPES[shape], ENVIRONMENTS[environment], record)
 
 
-def test_four_processes_writing_at_once_keep_every_plan_and_the_true_best(
-    tmp_path: Path,
-) -> None:
-    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+def run_writers(url: str, count: int = PLANS_PER_WORKER) -> None:
+    """``WORKERS`` processes, each recording ``count`` plans into ``url`` at once."""
     context = multiprocessing.get_context("spawn")
     start = context.Barrier(WORKERS)
     processes = [
-        context.Process(target=record_all, args=(url, worker, start)) for worker in range(WORKERS)
+        context.Process(target=record_all, args=(url, worker, start, count))
+        for worker in range(WORKERS)
     ]
     for process in processes:
         process.start()
@@ -60,10 +68,13 @@ def test_four_processes_writing_at_once_keep_every_plan_and_the_true_best(
         process.join(timeout=120)
     assert [p.exitcode for p in processes] == [0] * WORKERS
 
-    expected = [(s, e, r) for worker in range(WORKERS) for s, e, r in planned(worker)]
+
+def check_every_plan_and_the_true_best(url: str, count: int = PLANS_PER_WORKER) -> None:
+    """Every worker's plan is stored intact, with exactly one true best per problem x env."""
+    expected = [(s, e, r) for worker in range(WORKERS) for s, e, r in planned(worker, count)]
     with PlanRegistry.open(url, readonly=True) as registry:
         history = registry.history(limit=None)
-        assert len(history) == WORKERS * PLANS_PER_WORKER
+        assert len(history) == WORKERS * count
         stored = {(h.record.study_name, h.record.trial_number): h for h in history}
         for shape, environment, record in expected:
             found = stored[(record.study_name, record.trial_number)]
@@ -85,6 +96,14 @@ def test_four_processes_writing_at_once_keep_every_plan_and_the_true_best(
             assert served is not None and served.record.ranking_ms == true_best
             assert served.record.measured == bool(measured)
         assert len(best) == len({(SHAPES[s], ENVIRONMENTS[e]) for s, e, _ in expected})
+
+
+def test_four_processes_writing_at_once_keep_every_plan_and_the_true_best(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    run_writers(url)
+    check_every_plan_and_the_true_best(url)
 
     connection = sqlite3.connect(tmp_path / "plans.sqlite")
     assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
