@@ -21,14 +21,6 @@ from postgres_server import PostgresServer, PostgresUnavailable
 _database_numbers = itertools.count(1)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Until pyproject.toml declares it (the lead's file), declared here so that
-    # `-m postgres` / `-m "not postgres"` work and --strict-markers passes.
-    config.addinivalue_line(
-        "markers", "postgres: needs a PostgreSQL server (throwaway, from Debian's binaries)"
-    )
-
-
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
