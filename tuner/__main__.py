@@ -13,7 +13,10 @@ three sources of such errors:
 * ``TunerError`` from the tune run itself (unreachable registry, ...).
 
 The last two are caught inside the job, so a multirun sweep goes on with its
-other jobs; the exit status is the worst of all jobs run in this process.
+other jobs; the exit status is the worst of all jobs run in this process. A
+job that a launcher runs in another process (joblib, submitit) raises
+``tuner.sweeps.JobFailed`` instead, which Hydra carries back, so the exit
+status is non-zero there too.
 Set ``HYDRA_FULL_ERROR=1`` yourself to get tracebacks instead of one-liners.
 Errors that are bugs (anything else) keep their traceback.
 """
@@ -42,6 +45,7 @@ from tuner.config import (
 )
 from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
+from tuner.sweeps import JobFailed, in_launcher_process, job_overrides, mark_main_process, restore
 
 #: ``../conf``, made absolute: Hydra resolves a relative path against the file only when this
 #: module runs as ``__main__``; imported (a console script, a test) it would look for a
@@ -65,6 +69,8 @@ def run_job(cfg: DictConfig) -> int:
         report(str(error))
         status = 1
     _job_statuses.append(status)
+    if status != 0 and in_launcher_process():
+        raise JobFailed(status, job_overrides())
     return status
 
 
@@ -91,8 +97,11 @@ def main() -> int:
     previous = os.environ.get(_FULL_ERROR)
     _tracebacks_wanted = previous == "1"
     os.environ[_FULL_ERROR] = "1"
+    main_pid = mark_main_process()
     try:
         run_job()
+    except JobFailed as failed:
+        return max([failed.status, *_job_statuses])
     except (HydraException, OmegaConfBaseException) as error:
         if _tracebacks_wanted:
             raise
@@ -102,6 +111,7 @@ def main() -> int:
         report("interrupted")
         return 130
     finally:
+        restore(main_pid)
         if previous is None:
             os.environ.pop(_FULL_ERROR, None)
         else:

@@ -6,14 +6,18 @@
    the config's otherwise); for PyCUDA compile it first, in parallel, and drop
    what the compiler rules out (``tuner.precompile``).
 3. Search (``tuner.search``): an Optuna study that continues where the last
-   run of the same command stopped, with a progress bar on stderr.
+   run of the same command stopped, with a progress bar on stderr; with
+   ``workers=N`` (or ``auto``) in N worker processes on this host, one GPU
+   each, sharing the study (``tuner.workers``).
 4. Print the best plans, store the best one with its evidence in the registry
    (as measured only for GPU timings), and write PNG plots into the run
    directory (Hydra's output directory when run from the CLI).
 
 Ctrl-C during the search ends it cleanly: finished trials stay in the study,
 the best so far is printed and stored (the output says so), measurement
-workers are stopped, and the exit status is 130. Every run-level problem is a
+workers are stopped, and the exit status is 130. A worker process that failed
+or died is named in one line each, and the exit status is then 1 (the best of
+the study is stored all the same). Every run-level problem is a
 ``TunerError`` (one line at the CLI); failures of single candidates are values.
 """
 
@@ -22,10 +26,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 from tqdm import tqdm
 
 from db import PlanRecord, PlanRegistry, RecordStatus
@@ -42,10 +48,12 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
-from tuner.search import encoding_for, open_storage, run_search
+from tuner.search import encoding_for, run_search
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
+from tuner.study_storage import open_storage
 from tuner.trials import SearchResult, TrialOutcome
+from tuner.workers import IsolatedFactory, WorkerJob, plan_gpus, search_with_workers
 
 EXIT_INTERRUPTED = 130
 TOP_ROWS = 5
@@ -67,8 +75,13 @@ def run(
         print(line, file=out, flush=True)
 
     choice = choose_backend(config.backend)
+    gpu_plan = None if config.workers == 1 else plan_gpus(config.workers)
+    if gpu_plan is not None and gpu_plan.count == 1:
+        say(gpu_plan.line())
+        gpu_plan = None
     backend = _build_backend(choice, validated)
     storage = None
+    failures: list[str] = []
     try:
         say(choice.line(_measures_on_a_gpu(choice, backend)))
         device = _device_profile(choice, backend, validated.device)
@@ -80,7 +93,12 @@ def run(
         variant = "replay" if choice.name == "replay" else ""
         name = config.search.study_name or study_name(problem, environment, hashes, variant)
         storage_url = config.search.storage or default_storage_url(config.registry.url)
-        storage = open_storage(storage_url)
+        _check_storage(storage_url, config.registry.url, shared=gpu_plan is not None)
+        storage = open_storage(
+            storage_url,
+            heartbeat_interval_s=config.search.heartbeat_interval_s,
+            grace_period_s=config.search.grace_period_s,
+        )
         say(
             f"study: {name} in {storage_url} ({len(feasible)} feasible candidates, "
             f"{len(rejected)} rejected; optuna-dashboard {storage_url} shows it)"
@@ -88,22 +106,44 @@ def run(
         space = StudySpace(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
         )
-        with _ProgressBar() as progress:
-            result = run_search(
-                space,
-                backend,
-                config.search,
-                storage=storage,
-                study_name=name,
+        if gpu_plan is None:
+            with _ProgressBar() as progress:
+                result = run_search(
+                    space,
+                    backend,
+                    config.search,
+                    storage=storage,
+                    study_name=name,
+                    predictions=predictions,
+                    progress=progress,
+                    on_start=progress.start,
+                )
+        else:
+            # The parent measures nothing: its backend (and, for PyCUDA, the GPU
+            # context of its measurement process) goes before the workers start.
+            backend.close()
+            say(gpu_plan.line())
+            job = WorkerJob(
+                space=space,
                 predictions=predictions,
-                progress=progress,
-                on_start=progress.start,
+                settings=config.search,
+                storage_url=storage_url,
+                study_name=name,
+                backend=_worker_backend(choice, validated),
+                environment=environment.as_dict(),
             )
+            with _ProgressBar(f"trials ({gpu_plan.count} workers)") as progress:
+                result, outcome = search_with_workers(
+                    job, gpu_plan, storage, progress=progress, on_start=progress.start
+                )
+            failures = [f"workers: {e.describe()}" for e in outcome.failed] if outcome else []
     finally:
         backend.close()
         if storage is not None:
             storage.engine.dispose()  # SQLite checkpoints its WAL into the file
 
+    for line in failures:
+        say(line)
     if result.interrupted:
         say("interrupted: the study keeps its finished trials; the best so far follows")
     say(report.best_table(result, TOP_ROWS))
@@ -111,7 +151,9 @@ def run(
         say(line)
     say(_store_best(result, problem, environment, hashes, config.registry.url))
     say(_write_plots(result, problem, output_dir))
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    return 1 if failures else 0
 
 
 # ---------------------------------------------------------------------- backend
@@ -134,6 +176,49 @@ def _build_backend(choice: BackendChoice, validated: ValidatedConfig) -> Backend
     if choice.name == "replay":
         backend.recording_for(validated.problem)  # type: ignore[attr-defined]
     return backend
+
+
+def _worker_backend(choice: BackendChoice, validated: ValidatedConfig) -> Callable[[], Backend]:
+    """The recipe each worker process builds its own backend from (isolated for PyCUDA)."""
+    config = validated.config
+    factory = BackendFactory(choice.name, config.backend, device=validated.device)
+    if choice.name == "pycuda" and config.backend.isolate:
+        return IsolatedFactory(factory, config.search.trial_timeout_s)
+    return factory
+
+
+def _check_storage(storage_url: str, registry_url: str, *, shared: bool) -> None:
+    """The study's database must not be the registry's, nor private to one process if shared."""
+    try:
+        storage, registry = make_url(storage_url), make_url(registry_url)
+    except ArgumentError:
+        return  # each is opened later and reports its own error
+    if _same_database(storage, registry):
+        raise ConfigError(
+            f"search.storage={storage_url} is invalid: it is the registry's database "
+            "(registry.url); Optuna's tables and the registry's each need a database of "
+            "their own (both keep an alembic_version table): give the study another one"
+        )
+    if (
+        shared
+        and storage.get_backend_name() == "sqlite"
+        and storage.database in (None, "", ":memory:")
+    ):
+        raise ConfigError(
+            f"search.storage={storage_url} is invalid: workers share the study through "
+            "a database file or server; an in-memory SQLite database is one process's own"
+        )
+
+
+def _same_database(a: Any, b: Any) -> bool:
+    if a.get_backend_name() != b.get_backend_name():
+        return False
+    if a.get_backend_name() == "sqlite":
+        if a.database in (None, "", ":memory:") or b.database in (None, "", ":memory:"):
+            return False
+        return Path(a.database).expanduser().resolve() == Path(b.database).expanduser().resolve()
+    where = ("host", "port", "database")
+    return all(getattr(a, part) == getattr(b, part) for part in where)
 
 
 def _measures_on_a_gpu(choice: BackendChoice, backend: Backend) -> bool:
@@ -280,13 +365,14 @@ def _hydra_run_directory() -> Path | None:
 class _ProgressBar:
     """A tqdm bar on stderr over the trials that count, with the best time so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, desc: str = "trials") -> None:
         self.bar: tqdm | None = None
         self.best = float("inf")
+        self.desc = desc
 
     def start(self, done: int, total: int) -> None:
         self.bar = tqdm(
-            total=total, initial=done, desc="trials", unit="trial", file=sys.stderr, disable=None
+            total=total, initial=done, desc=self.desc, unit="trial", file=sys.stderr, disable=None
         )
 
     def __call__(self, trial: TrialOutcome) -> None:

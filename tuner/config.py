@@ -44,6 +44,11 @@ class SearchConfig:
     traffic_cutoff: float = 16.0
     #: a single measurement (compile + launch + check + time) past this is a TIMEOUT
     trial_timeout_s: float = 120.0
+    #: seconds between heartbeats of a running trial (whole seconds, as Optuna takes them)
+    heartbeat_interval_s: int = 30
+    #: a running trial silent this long belongs to a dead worker: it is failed and
+    #: retried; null: twice heartbeat_interval_s
+    grace_period_s: int | None = None
     families: list[str] = field(default_factory=lambda: ["scalar_online", "tiled"])
     tile_sizes: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
     rows_per_block: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
@@ -113,6 +118,9 @@ class TunerConfig:
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
     plan_rows: int = 20
+    #: worker processes sharing the study on this host (one GPU each, round-robin),
+    #: or "auto": one per visible GPU
+    workers: Any = 1
     search: SearchConfig = field(default_factory=SearchConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
@@ -215,6 +223,13 @@ def _is_url(value: Any) -> bool:
     return True
 
 
+def _workers() -> Rule:
+    return Rule(
+        "a positive integer or auto",
+        lambda v: (_is_int(v) and v >= 1) or v == "auto",
+    )
+
+
 def _int_list() -> Rule:
     return Rule(
         "a non-empty list of integers >= 1",
@@ -250,6 +265,7 @@ RULES: dict[str, Rule] = {
     "dtype": _one_of(SUPPORTED_DTYPES),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
+    "workers": _workers(),
     "search.sampler": _one_of(SAMPLERS),
     "search.n_trials": _int_in(1),
     "search.timeout_s": _number_above(0, optional=True),
@@ -261,6 +277,10 @@ RULES: dict[str, Rule] = {
     # Below 1 the cut-off would discard the best candidate itself.
     "search.traffic_cutoff": _number_at_least(1),
     "search.trial_timeout_s": _number_above(0),
+    "search.heartbeat_interval_s": _int_in(1),
+    "search.grace_period_s": Rule(
+        "an integer >= 1 or null", lambda v: v is None or (_is_int(v) and v >= 1)
+    ),
     "search.families": _subset_of(FAMILIES),
     "search.tile_sizes": _int_list(),
     "search.rows_per_block": _int_list(),
@@ -465,7 +485,7 @@ def validate(config: TunerConfig) -> ValidatedConfig:
     since a search over an empty space could only fail later and less clearly.
     """
     problem = problem_from(config)
-    for key in ("mode", "plan_rows"):
+    for key in ("mode", "plan_rows", "workers"):
         _check(key, getattr(config, key))
     _check_section("search", config.search)
     _check_section("backend", config.backend)

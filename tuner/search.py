@@ -21,6 +21,8 @@ The study lives in Optuna's RDB storage (SQLite by default, see
    infeasible    PRUNED       planner/compiler rejects the point     no
    skipped       PRUNED       predicted traffic > cutoff x the best  no
    duplicate     as before    already evaluated in this study        no
+   duplicate     FAIL         being measured by another worker now   no
+   surplus       FAIL         other workers filled ``n_trials``      no
    interrupted   FAIL         Ctrl-C during its measurement          no
    ============  ===========  =====================================  =======
 
@@ -31,6 +33,14 @@ The study lives in Optuna's RDB storage (SQLite by default, see
    them is given the best-predicted unevaluated candidate after
    ``FREE_STREAK_LIMIT`` in a row, and the search ends when every candidate
    within the cutoff has been evaluated.
+
+Several workers (processes, GPUs, hosts) may run the same study on one
+storage at once (``tuner.workers``); the counting and the "already evaluated
+or being measured" check are made on the shared storage, with the claims of
+``tuner.claims``, so the study still ends with exactly ``n_trials`` trials that
+count and no plan measured twice. Each worker's sampler has its own seed
+(``seed + worker``), and TPE treats the other workers' running trials as
+"constant liars" so it does not propose them again.
 
 Failures are PRUNED with the constraint ``failed = 1`` rather than FAIL or a
 penalty value: TPE ignores FAIL trials (it would propose the same crash
@@ -43,89 +53,65 @@ Each trial's user attributes: ``outcome``, ``plan_key``, ``params`` (``family``,
 ``sequence_splits``), ``predicted`` (``ms``, ``read_bytes``,
 ``write_bytes``), ``measured``, ``median_ms``, ``timing`` (``spread_ms``,
 ``tflops``, ``gbps``, ``max_abs_error``), ``failure``, ``detail``, and
-``duplicate_of`` or ``enqueued`` where they apply. (Grouped: every attribute
-is a storage transaction of its own.)
+``duplicate_of``, ``enqueued`` or ``retry_of`` (the trial of a dead worker that
+this one runs again) where they apply, and ``claim`` (see ``tuner.claims``).
+(Grouped: every attribute is a storage transaction of its own.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import RDBStorage
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy import event
 
 from kernels.backends.base import Backend, Measurement
+from tuner import claims
 from tuner.config import SearchConfig
 from tuner.costmodel import Prediction
 from tuner.errors import ConfigError, TunerError
 from tuner.planner.tunable import KernelPlan
+from tuner.problem import Problem
 from tuner.study_space import Encoding, StudySpace
-from tuner.trials import COUNTED_OUTCOMES, PARAM_NAMES, SearchResult, TrialOutcome
+from tuner.study_storage import HEARTBEAT_INTERVAL_S, open_storage, storage_url
+from tuner.trials import PARAM_NAMES, SearchResult, TrialOutcome
+
+__all__ = ["HEARTBEAT_INTERVAL_S", "SearchResult", "open_storage", "run_search"]
 
 SAMPLERS = ("tpe", "random", "grid")
 #: free proposals (infeasible, skipped, duplicate) in a row before the search
 #: hands the sampler the best-predicted candidate it has not evaluated yet
 FREE_STREAK_LIMIT = 25
-#: seconds between heartbeats of a running trial; one silent for twice this
-#: (a killed tuner) is failed when the study is next run, so it is not left RUNNING
-HEARTBEAT_INTERVAL_S = 30
 
 Progress = Callable[[TrialOutcome], None]
 
 
-def open_storage(url: str) -> RDBStorage:
-    """One storage object (one SQLAlchemy engine) for the whole run."""
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///")).expanduser()
-        if str(path) not in ("", ":memory:"):
-            path.parent.mkdir(parents=True, exist_ok=True)
-    sqlite = url.startswith("sqlite")
-    try:
-        with warnings.catch_warnings():
-            # Heartbeats are marked experimental; they are how a killed run's
-            # RUNNING trial gets failed when the study is next run.
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = RDBStorage(
-                url,
-                heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else None,
-            )
-    except Exception as error:  # SQLAlchemy/Optuna raise many kinds; all mean "unusable"
-        raise ConfigError(f"search.storage={url} cannot be opened: {error}") from error
-    if sqlite:
-        # Optuna commits every attribute on its own; in SQLite's default rollback
-        # journal each commit is an fsync (~4 ms, most of a model-backend run).
-        # WAL with synchronous=NORMAL commits without one and stays crash-safe
-        # (a power cut may lose the last trials, never corrupt the file), and
-        # lets optuna-dashboard read while the tuner writes.
-        event.listen(storage.engine, "connect", _sqlite_pragmas)
-        storage.engine.dispose()  # reconnect with the pragmas
-    return storage
+class _Unmeasured(Exception):
+    """Ends a trial as FAIL without a value (in flight elsewhere, surplus): the
+    sampler ignores it, and it is not an error of the run."""
 
 
-def _sqlite_pragmas(connection: Any, _record: Any) -> None:
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
-
-
-def make_sampler(name: str, seed: int, space: StudySpace) -> optuna.samplers.BaseSampler:
+def make_sampler(
+    name: str, seed: int, space: StudySpace, *, parallel: bool = False
+) -> optuna.samplers.BaseSampler:
+    """The sampler ``name``; ``parallel``: other workers share the study (TPE then
+    counts their running trials as bad, so it does not propose what they measure)."""
     if name == "tpe":
         with warnings.catch_warnings():
             # ``group`` is experimental; it is what handles the family-conditional space.
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+            return optuna.samplers.TPESampler(
+                seed=seed, multivariate=True, group=True, constant_liar=parallel
+            )
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
@@ -175,8 +161,9 @@ class _Search:
         self.predictions = predictions
         self.study = study
         self.progress = progress
-        self.evaluated: dict[str, FrozenTrial] = {}
-        self.counted = 0
+        #: the shared study as last read (every worker's trials)
+        self.shared = claims.Snapshot()
+        self.deadline: float | None = None
         self.free_streak = 0
         self.new_trials: list[int] = []
         self.stop_reason = ""
@@ -187,8 +174,7 @@ class _Search:
         self.allowed = [p for p in space.feasible if self._traffic(p) <= self.cutoff_bytes]
         # Best predicted first: the enqueue order and the fallback order.
         self.allowed.sort(key=lambda p: (self._predicted_ms(p), p.key()))
-        for trial in study.get_trials(deepcopy=False):
-            self._remember(trial)
+        self.refresh()
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -200,28 +186,44 @@ class _Search:
         prediction = self.predictions.get(plan.key())
         return prediction.time_ms if prediction else math.inf
 
-    def _remember(self, trial: FrozenTrial) -> None:
-        outcome = trial.user_attrs.get("outcome")
-        if trial.state.is_finished() and outcome in COUNTED_OUTCOMES:
-            self.counted += 1
-            self.evaluated.setdefault(str(trial.user_attrs["plan_key"]), trial)
+    def refresh(self) -> None:
+        """Read the shared study again: what counts, what is evaluated, what is in flight."""
+        self.shared = claims.read(self.study)
+
+    @property
+    def counted(self) -> int:
+        return self.shared.counted
+
+    @property
+    def evaluated(self) -> dict[str, FrozenTrial]:
+        return self.shared.evaluated
 
     def unevaluated(self) -> list[KernelPlan]:
-        return [p for p in self.allowed if p.key() not in self.evaluated]
+        """Allowed plans neither evaluated nor being measured by another worker."""
+        busy = self.shared.in_flight
+        return [p for p in self.allowed if p.key() not in self.evaluated and p.key() not in busy]
 
     def remaining(self) -> int:
         return self.settings.n_trials - self.counted
 
+    def enqueue_top(self) -> list[str]:
+        """The top of the whole ranking: a resumed study does not enqueue the next ones."""
+        top = [
+            p for p in self.allowed[: self.settings.enqueue_top] if p.key() not in self.evaluated
+        ]
+        return self.enqueue(top, "cost model top")
+
     def enqueue(self, plans: list[KernelPlan], why: str) -> list[str]:
-        """Queue ``plans`` in order, except those already waiting (from an interrupted run)."""
-        waiting = [
+        """Queue ``plans`` in order, except those already waiting (from an interrupted run)
+        or being measured (by another worker)."""
+        pending = [
             t.system_attrs.get("fixed_params")
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         ]
         keys = []
         for plan in plans:
             params = self.space.fixed_params(plan)
-            if params in waiting:
+            if params in pending or plan.key() in self.shared.in_flight:
                 continue
             self.study.enqueue_trial(params, user_attrs={"enqueued": why})
             keys.append(plan.key())
@@ -231,6 +233,7 @@ class _Search:
 
     def objective(self, trial: optuna.Trial) -> float:
         self.new_trials.append(trial.number)
+        retry_of = _retry_of(trial)
         point = self.space.suggest(trial)
         resolved = self.space.resolve(point)
         if resolved.plan is None:
@@ -239,7 +242,7 @@ class _Search:
                 attrs["params"] = _params(point.as_dict())
             return self._prune(trial, attrs, "INFEASIBLE", resolved.reason)
         plan = resolved.plan
-        attrs = self._plan_attrs(plan)
+        attrs = self._plan_attrs(plan) | {"retry_of": retry_of}
         earlier = self.evaluated.get(plan.key())
         if earlier is not None:
             return self._repeat(trial, attrs, earlier)
@@ -250,6 +253,16 @@ class _Search:
                 f"{self.settings.traffic_cutoff:g} x the best candidate's"
             )
             return self._prune(trial, attrs, "TRAFFIC_CUTOFF", reason)
+        claim = claims.acquire(
+            self.study,
+            trial,
+            plan.key(),
+            self.settings.n_trials,
+            should_stop=lambda: self.stop_requested,
+            deadline=self.deadline,
+        )
+        if claim.verdict is not claims.Verdict.GO:
+            return self._not_measured(trial, attrs, claim)
         self.measuring = True
         try:
             measurement = self.backend.measure(plan, self.space.problem)
@@ -269,6 +282,26 @@ class _Search:
             return float(measurement.median_ms)  # type: ignore[arg-type]
         attrs["outcome"] = "failed"
         return self._prune(trial, attrs, str(measurement.failure), measurement.detail)
+
+    def _not_measured(
+        self, trial: optuna.Trial, attrs: dict[str, Any], claim: claims.Claim
+    ) -> float:
+        """The shared study said no to measuring this trial's plan now."""
+        if claim.verdict is claims.Verdict.DUPLICATE:
+            assert claim.earlier is not None
+            return self._repeat(trial, attrs, claim.earlier)
+        if claim.verdict is claims.Verdict.IN_FLIGHT:
+            detail = f"trial {claim.other} of another worker is measuring it"
+            attrs |= {"outcome": "duplicate", "duplicate_of": claim.other}
+            attrs |= {"failure": "IN_FLIGHT", "detail": detail}
+        elif claim.verdict is claims.Verdict.FULL:
+            detail = f"other workers filled n_trials={self.settings.n_trials}"
+            attrs |= {"outcome": "surplus", "failure": "SURPLUS", "detail": detail}
+        else:
+            attrs |= {"outcome": "interrupted", "failure": "INTERRUPTED"}
+            attrs["detail"] = "stopped while waiting for a slot"
+        _write(trial, attrs)
+        raise _Unmeasured(attrs["detail"])
 
     def _repeat(self, trial: optuna.Trial, attrs: dict[str, Any], earlier: FrozenTrial) -> float:
         """Reuse an earlier trial's result for the same plan; the backend is not asked."""
@@ -302,8 +335,8 @@ class _Search:
     # ------------------------------------------------------------------ after each trial
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        outcome = TrialOutcome.from_trial(trial)
-        self._remember(trial)
+        outcome = outcome_of(trial)
+        self.refresh()
         self.free_streak = 0 if outcome.counted else self.free_streak + 1
         if self.progress is not None:
             self.progress(outcome)
@@ -311,8 +344,12 @@ class _Search:
             self.stop_reason = "interrupted (Ctrl-C)"
         elif self.remaining() <= 0:
             self.stop_reason = f"n_trials={self.settings.n_trials} reached"
+        elif outcome.outcome == "interrupted":  # a deadline while waiting for a slot
+            self.stop_reason = "stopped while waiting for a slot"
         elif not self.unevaluated():
             self.stop_reason = "every candidate within the traffic cutoff is evaluated"
+            if self.shared.in_flight:
+                self.stop_reason += " or being measured by another worker"
         elif self.free_streak >= FREE_STREAK_LIMIT:
             self.enqueue(self.unevaluated()[:1], "fallback: sampler repeated itself")
             self.free_streak = 0
@@ -351,6 +388,23 @@ def _fail_running(study: optuna.Study, numbers: list[int]) -> None:
                 study.tell(trial.number, state=TrialState.FAIL)
 
 
+def outcome_of(trial: FrozenTrial) -> TrialOutcome:
+    """``TrialOutcome.from_trial``, except that a FAIL trial never counts: a worker that
+    died between writing its outcome and finishing the trial left it measured-looking,
+    and the heartbeat check failed it (it runs again as a retry)."""
+    outcome = TrialOutcome.from_trial(trial)
+    if trial.state == TrialState.FAIL and outcome.counted:
+        return dataclasses.replace(outcome, outcome="interrupted", failure="WORKER_DIED")
+    return outcome
+
+
+def _retry_of(trial: optuna.Trial) -> int | None:
+    """The number of the dead worker's trial that ``trial`` runs again, if it is a retry."""
+    system_attrs = trial.storage.get_trial_system_attrs(trial._trial_id)
+    number = system_attrs.get("failed_trial")
+    return number if isinstance(number, int) else None
+
+
 def _write(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
     # Each user attribute is its own storage transaction (several ORM queries),
     # so a trial writes a handful: flat ones to filter and sort by in the
@@ -385,11 +439,14 @@ def run_search(
     backend: Backend,
     settings: SearchConfig,
     *,
-    storage: RDBStorage | str,
+    storage: BaseStorage | str,
     study_name: str,
     predictions: Mapping[str, Prediction],
     progress: Progress | None = None,
     on_start: Callable[[int, int], None] | None = None,
+    worker: int = 0,
+    parallel: bool = False,
+    enqueue: bool = True,
 ) -> SearchResult:
     """Run (or continue) the study ``study_name`` until ``settings.n_trials`` count.
 
@@ -398,22 +455,32 @@ def run_search(
     ends it cleanly: the trial in flight is marked FAIL
     (``outcome=interrupted``), finished trials stay in the storage, and the
     result says ``interrupted``.
+
+    Several workers: each calls this on the same storage and study name, with
+    its own ``worker`` number (its sampler's seed is ``seed + worker``) and
+    ``parallel=True``; ``enqueue=False`` where the study was prepared once with
+    ``prepare_study`` (so the workers do not each queue the cost model's top).
     """
     if isinstance(storage, str):
-        storage = open_storage(storage)
-    storage_url = str(storage.engine.url)
+        storage = open_storage(
+            storage,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            grace_period_s=settings.grace_period_s,
+        )
     with _quiet_optuna():
         study = optuna.create_study(
             storage=storage,
             study_name=study_name,
             direction="minimize",
-            sampler=make_sampler(settings.sampler, settings.seed, space),
+            sampler=make_sampler(
+                settings.sampler, settings.seed + worker, space, parallel=parallel
+            ),
             load_if_exists=True,
         )
         search = _Search(space, backend, settings, predictions, study, progress)
         result = SearchResult(
             study_name=study_name,
-            storage_url=storage_url,
+            storage_url=storage_url(storage),
             trials=[],
             over_cutoff=len(space.feasible) - len(search.allowed),
         )
@@ -422,19 +489,19 @@ def run_search(
         elif not search.unevaluated():
             search.stop_reason = "every candidate within the traffic cutoff is evaluated"
         else:
-            # The top of the whole ranking: a resumed study does not enqueue the next ones.
-            top = [
-                p for p in search.allowed[: settings.enqueue_top] if p.key() not in search.evaluated
-            ]
-            result.enqueued = search.enqueue(top, "cost model top")
+            if enqueue:
+                result.enqueued = search.enqueue_top()
             if on_start is not None:
                 on_start(search.counted, settings.n_trials)
             started = time.monotonic()
+            if settings.timeout_s is not None:
+                search.deadline = started + settings.timeout_s
             try:
                 with search.sigint_deferred():
                     study.optimize(
                         search.objective,
                         timeout=settings.timeout_s,
+                        catch=(_Unmeasured,),
                         callbacks=[search.after_trial],
                         gc_after_trial=False,
                     )
@@ -446,7 +513,54 @@ def run_search(
             if not search.stop_reason and settings.timeout_s is not None:
                 elapsed = time.monotonic() - started
                 search.stop_reason = f"timeout_s={settings.timeout_s:g} reached ({elapsed:.0f} s)"
-        result.trials = [TrialOutcome.from_trial(t) for t in study.get_trials(deepcopy=False)]
+        result.trials = [outcome_of(t) for t in study.get_trials(deepcopy=False)]
     result.new_trials = search.new_trials
     result.stop_reason = search.stop_reason
     return result
+
+
+def prepare_study(
+    space: StudySpace,
+    settings: SearchConfig,
+    *,
+    storage: BaseStorage,
+    study_name: str,
+    predictions: Mapping[str, Prediction],
+) -> tuple[SearchResult, int]:
+    """Create (or load) the study and queue the cost model's top once, before workers start.
+
+    Returns the result so far (no trials yet; ``stop_reason`` set when there is
+    nothing left to do) and the trials that count already.
+    """
+    with _quiet_optuna():
+        study = optuna.create_study(
+            storage=storage, study_name=study_name, direction="minimize", load_if_exists=True
+        )
+        search = _Search(space, _NoBackend(), settings, predictions, study, None)
+        result = SearchResult(
+            study_name=study_name,
+            storage_url=storage_url(storage),
+            trials=[],
+            over_cutoff=len(space.feasible) - len(search.allowed),
+        )
+        if search.remaining() <= 0:
+            result.stop_reason = f"n_trials={settings.n_trials} already reached"
+        elif not search.unevaluated():
+            result.stop_reason = "every candidate within the traffic cutoff is evaluated"
+        else:
+            result.enqueued = search.enqueue_top()
+        return result, search.counted
+
+
+def study_trials(storage: BaseStorage, study_name: str) -> list[TrialOutcome]:
+    """Every trial of the study, as values (what the workers left in the storage)."""
+    with _quiet_optuna():
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        return [outcome_of(t) for t in study.get_trials(deepcopy=False)]
+
+
+class _NoBackend(Backend):
+    name = "none"
+
+    def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
+        raise AssertionError("prepare_study measures nothing")

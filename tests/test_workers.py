@@ -1,0 +1,290 @@
+"""Many workers, one study: exact counting, each plan measured once, pinning, a killed worker.
+
+No GPU: the model and replay backends through ``tuner.app.run`` (``workers=N``),
+and a slow stand-in backend (``worker_backends.SlowBackend``) through
+``tuner.workers.run_workers``, all on SQLite studies in tmp_path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra import compose, initialize_config_dir
+from optuna.trial import TrialState
+from worker_backends import (
+    ENVIRONMENT,
+    SlowFactory,
+    assert_exact,
+    log_lines,
+    make_space,
+    only_study,
+    settings,
+)
+
+from db import PlanRegistry
+from tuner.app import run
+from tuner.config import typed_config, validate
+from tuner.errors import ConfigError
+from tuner.problem import Problem
+from tuner.study_storage import open_storage
+from tuner.workers import GpuPlan, WorkerJob, plan_gpus, run_workers, search_with_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
+
+
+@pytest.fixture(scope="module")
+def hydra_conf() -> Iterator[None]:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        yield
+
+
+def tune(tmp_path: Path, *overrides: str) -> tuple[int, str]:
+    cfg = compose(
+        config_name="config",
+        overrides=[
+            "seq_len=512",
+            "head_dim=64",
+            f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
+            f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
+            *overrides,
+        ],
+    )
+    out = io.StringIO()
+    status = run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out)
+    return status, out.getvalue()
+
+
+def best_rows(tmp_path: Path) -> int:
+    with PlanRegistry.open(f"sqlite:///{tmp_path / 'r.sqlite'}", readonly=True) as registry:
+        return len(registry.list_best())
+
+
+# ---------------------------------------------------------------- workers=N through the app
+
+
+def test_four_model_workers_finish_exactly_n_trials_each_plan_once(tmp_path, hydra_conf):
+    status, output = tune(tmp_path, "backend=model", "workers=4", "search.n_trials=24")
+    assert status == 0, output
+    assert "workers: 4 processes share the study" in output
+    assert "stopped: n_trials=24 reached" in output
+    assert_exact(only_study(f"sqlite:///{tmp_path / 's.sqlite'}"), 24)
+    assert best_rows(tmp_path) == 1
+    assert "trials: 24 evaluated by the backend" in output
+
+
+def test_two_replay_workers_store_one_best_plan(tmp_path, hydra_conf):
+    status, output = tune(
+        tmp_path,
+        "backend=replay",
+        f"backend.replay_path={FIXTURE}",
+        "workers=2",
+        "search.n_trials=12",
+    )
+    assert status == 0, output
+    assert_exact(only_study(f"sqlite:///{tmp_path / 's.sqlite'}"), 12)
+    assert best_rows(tmp_path) == 1 and "registry: " in output
+    # A rerun of the same command finds the study done.
+    status, output = tune(
+        tmp_path,
+        "backend=replay",
+        f"backend.replay_path={FIXTURE}",
+        "workers=2",
+        "search.n_trials=12",
+    )
+    assert status == 0 and "n_trials=12 already reached" in output
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("0", "0"), ("-2", "-2"), ("1.5", "1.5"), ("many", "many"), ("true", "true")],
+)
+def test_workers_must_be_a_positive_integer_or_auto(hydra_conf, value, shown):
+    cfg = compose(
+        config_name="config", overrides=["seq_len=512", "head_dim=64", f"workers={value}"]
+    )
+    with pytest.raises(ConfigError) as caught:
+        validate(typed_config(cfg))
+    assert str(caught.value) == f"workers={shown} is invalid: must be a positive integer or auto"
+
+
+def test_workers_auto_is_accepted(hydra_conf):
+    cfg = compose(config_name="config", overrides=["seq_len=512", "head_dim=64", "workers=auto"])
+    assert validate(typed_config(cfg)).config.workers == "auto"
+
+
+# ---------------------------------------------------------------- GPUs
+
+
+def test_workers_are_pinned_round_robin_to_the_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    plan = plan_gpus(4)
+    assert plan.gpus == ("3", "5", "3", "5") and plan.env == {}
+    assert plan_gpus("auto").gpus == ("3", "5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,-1,2")  # CUDA stops at the first bad entry
+    assert plan_gpus("auto").gpus == ("0", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    none = plan_gpus("auto")
+    assert none.count == 1 and none.gpus == (None,)
+    assert plan_gpus(3, (["0"], "nvidia-smi")).env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert plan_gpus(3, (["0"], "nvidia-smi")).gpus == ("0", "0", "0")
+
+
+def test_each_worker_process_sees_only_its_gpu(tmp_path):
+    log = str(tmp_path / "log")
+    space, predictions = make_space()
+    job = WorkerJob(
+        space=space,
+        predictions=predictions,
+        settings=settings(n_trials=8, enqueue_top=4),
+        storage_url=f"sqlite:///{tmp_path / 's.sqlite'}",
+        study_name="pinned",
+        backend=SlowFactory(0.0, log),
+        environment=ENVIRONMENT,
+    )
+    plan = plan_gpus(3, (["0", "1"], "CUDA_VISIBLE_DEVICES=0,1"))
+    result, outcome = search_with_workers(job, plan, open_storage(job.storage_url))
+    assert outcome is not None and not outcome.failed
+    assert sorted(gpu for _, gpu in log_lines(log, "built")) == ["0", "0", "1"]
+    assert result.counted == 8 and result.stop_reason == "n_trials=8 reached"
+
+
+def test_a_worker_on_another_kind_of_gpu_is_refused(tmp_path):
+    space, predictions = make_space()
+    job = WorkerJob(
+        space=space,
+        predictions=predictions,
+        settings=settings(n_trials=4),
+        storage_url=f"sqlite:///{tmp_path / 's.sqlite'}",
+        study_name="mixed",
+        backend=SlowFactory(0.0, str(tmp_path / "log")),
+        environment=ENVIRONMENT | {"gpu_name": "NVIDIA H200"},
+    )
+    plan = GpuPlan(2, ("0", "1"), "test")
+    with pytest.raises(Exception, match="every worker failed; worker 0 \\(GPU 0\\) failed: GPU 0 "):
+        run_workers(job, plan)
+
+
+# ---------------------------------------------------------------- one SQLite study, 8 workers
+
+
+def test_eight_workers_on_one_sqlite_study_are_exact(tmp_path):
+    log = str(tmp_path / "log")
+    space, predictions = make_space()
+    job = WorkerJob(
+        space=space,
+        predictions=predictions,
+        settings=settings(n_trials=40),
+        storage_url=f"sqlite:///{tmp_path / 's.sqlite'}",
+        study_name="eight",
+        backend=SlowFactory(0.02, log),
+    )
+    plan = GpuPlan(8, (None,) * 8, "test")
+    result, outcome = search_with_workers(job, plan, open_storage(job.storage_url))
+    assert outcome is not None and not outcome.failed, [e.describe() for e in outcome.failed]
+    keys = assert_exact(only_study(job.storage_url), 40)
+    measured = [key for _, key in log_lines(log, "end")]
+    assert sorted(measured) == sorted(keys)  # the backend saw each counted plan once
+    assert result.counted == 40 and len(log_lines(log, "built")) == 8
+
+
+# ---------------------------------------------------------------- a worker killed mid-trial
+
+
+def kill_during_a_measurement(log: str, count: int, killed: list[int]) -> threading.Thread:
+    """SIGKILL the worker that starts the ``count``-th measurement, while it measures."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            started = log_lines(log, "start")
+            if len(started) >= count:
+                pid = int(started[count - 1][0])
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_and_kill_one(tmp_path: Path, storage_url: str) -> None:
+    """Three workers, one SIGKILLed mid-measurement: its trial is failed after the grace
+    period, retried by another worker, and the study still ends with exactly n_trials."""
+    log = str(tmp_path / "log")
+    space, predictions = make_space()
+    n_trials = 18
+    job = WorkerJob(
+        space=space,
+        predictions=predictions,
+        settings=settings(n_trials=n_trials, heartbeat_interval_s=1, grace_period_s=2),
+        storage_url=storage_url,
+        study_name="killed",
+        backend=SlowFactory(0.4, log),
+    )
+    killed: list[int] = []
+    watcher = kill_during_a_measurement(log, 4, killed)
+    storage = open_storage(storage_url, heartbeat_interval_s=1, grace_period_s=2)
+    result, outcome = search_with_workers(job, GpuPlan(3, (None,) * 3, "test"), storage)
+    watcher.join()
+    assert outcome is not None and len(killed) == 1
+    (dead,) = outcome.failed
+    assert dead.pid == killed[0] and dead.exitcode == -signal.SIGKILL
+    assert "killed by SIGKILL" in dead.describe()
+    trials = only_study(storage_url)
+    (lost,) = [t for t in trials if t.state == TrialState.FAIL and "outcome" not in t.user_attrs]
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == lost.number]
+    assert len(retries) == 1, "the dead worker's trial was not queued again"
+    (retry,) = retries
+    print(f"retry of trial {lost.number}: trial {retry.number}, {retry.state.name} after the run")
+    if retry.state == TrialState.WAITING:  # the others finished first: the next run takes it
+        from tuner.search import run_search
+
+        run_search(
+            space,
+            SlowFactory(0.0, log)(),
+            settings(n_trials=n_trials + 1),
+            storage=storage,
+            study_name="killed",
+            predictions=predictions,
+        )
+        n_trials += 1
+        trials = only_study(storage_url)
+        (retry,) = [t for t in trials if t.number == retry.number]
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == lost.number
+    assert retry.user_attrs["plan_key"] == lost.user_attrs["claim"][1]
+    assert_exact(trials, n_trials)
+    # Measured twice: only the plan whose first measurement died with its worker.
+    ends = Counter(key for _, key in log_lines(log, "end"))
+    assert all(count == 1 for count in ends.values())
+    starts = Counter(key for _, key in log_lines(log, "start"))
+    assert [k for k, c in starts.items() if c > 1] in ([], [retry.user_attrs["plan_key"]])
+    assert result.counted == n_trials or retry.state == TrialState.COMPLETE
+
+
+def test_a_killed_worker_trial_is_failed_and_retried_sqlite(tmp_path):
+    run_and_kill_one(tmp_path, f"sqlite:///{tmp_path / 's.sqlite'}")
+
+
+def test_study_storage_heartbeat_settings_reach_optuna(tmp_path):
+    storage = open_storage(
+        f"sqlite:///{tmp_path / 's.sqlite'}", heartbeat_interval_s=3, grace_period_s=7
+    )
+    assert storage.get_heartbeat_interval() == 3 and storage.grace_period == 7
+    callback = storage.get_heartbeat_stale_trial_callback()
+    assert isinstance(callback, optuna.storages.RetryHeartbeatStaleTrialCallback)
+    study = optuna.create_study(storage=storage)
+    assert study.trials == []
+    storage.engine.dispose()
+    assert Problem(512, 64).label()  # the helper module's problem stays plannable
