@@ -288,3 +288,63 @@ def test_study_storage_heartbeat_settings_reach_optuna(tmp_path):
     assert study.trials == []
     storage.engine.dispose()
     assert Problem(512, 64).label()  # the helper module's problem stays plannable
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_reaches_every_worker_and_the_best_so_far_is_stored(tmp_path):
+    import json
+    import sqlite3
+    import subprocess
+    import sys
+
+    study = tmp_path / "s.sqlite"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tuner",
+            "seq_len=4096",
+            "head_dim=128",
+            "backend=model",
+            "workers=2",
+            "search.n_trials=400",
+            f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
+            f"search.storage=sqlite:///{study}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        claimants: set[str] = set()
+        while len(claimants) < 2:  # both workers have measured something
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.1)
+            try:
+                with sqlite3.connect(f"file:{study}?mode=ro", uri=True) as db:
+                    query = "SELECT value_json FROM trial_user_attributes WHERE key = 'claim'"
+                    rows = db.execute(query).fetchall()
+            except sqlite3.Error:
+                continue  # not created yet
+            claimants = {json.loads(v)[2] for (v,) in rows if v != "null"}
+        process.send_signal(signal.SIGINT)  # the parent only, as a terminal's Ctrl-C would be
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "interrupted: the study keeps its finished trials" in stdout
+    assert "stopped: interrupted (Ctrl-C)" in stdout and "registry: best so far " in stdout
+    assert "died" not in stdout and "Traceback" not in stderr
+    owners = {
+        int(t.user_attrs["claim"][2].split("|")[3])
+        for t in only_study(f"sqlite:///{study}")
+        if isinstance(t.user_attrs.get("claim"), list)
+    }
+    assert len(owners) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in owners)

@@ -189,7 +189,8 @@ class WorkerExit:
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.exitcode in (0, None) and bool(self.stop_reason)
+        # 130: the worker stopped on Ctrl-C, as asked, after saying so
+        return not self.error and self.exitcode in (0, 130, None) and bool(self.stop_reason)
 
     def describe(self) -> str:
         where = f"worker {self.index}" + (f" (GPU {self.gpu})" if self.gpu is not None else "")
