@@ -183,7 +183,7 @@ def test_eight_workers_on_one_sqlite_study_are_exact(tmp_path):
     job = WorkerJob(
         space=space,
         predictions=predictions,
-        settings=settings(n_trials=40),
+        settings=settings(n_trials=24),
         storage_url=f"sqlite:///{tmp_path / 's.sqlite'}",
         study_name="eight",
         backend=SlowFactory(0.02, log),
@@ -191,10 +191,10 @@ def test_eight_workers_on_one_sqlite_study_are_exact(tmp_path):
     plan = GpuPlan(8, (None,) * 8, "test")
     result, outcome = search_with_workers(job, plan, open_storage(job.storage_url))
     assert outcome is not None and not outcome.failed, [e.describe() for e in outcome.failed]
-    keys = assert_exact(only_study(job.storage_url), 40)
+    keys = assert_exact(only_study(job.storage_url), 24)
     measured = [key for _, key in log_lines(log, "end")]
     assert sorted(measured) == sorted(keys)  # the backend saw each counted plan once
-    assert result.counted == 40 and len(log_lines(log, "built")) == 8
+    assert result.counted == 24 and len(log_lines(log, "built")) == 8
 
 
 # ---------------------------------------------------------------- a worker killed mid-trial

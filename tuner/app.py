@@ -52,6 +52,7 @@ from tuner.search import encoding_for, run_search
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
+from tuner.study_storage import storage_url as display_url
 from tuner.trials import SearchResult, TrialOutcome
 from tuner.workers import IsolatedFactory, WorkerJob, plan_gpus, search_with_workers
 
@@ -99,9 +100,10 @@ def run(
             heartbeat_interval_s=config.search.heartbeat_interval_s,
             grace_period_s=config.search.grace_period_s,
         )
+        shown = display_url(storage)  # a server's password stays off the terminal
         say(
-            f"study: {name} in {storage_url} ({len(feasible)} feasible candidates, "
-            f"{len(rejected)} rejected; optuna-dashboard {storage_url} shows it)"
+            f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
+            f"{len(rejected)} rejected; optuna-dashboard {shown} shows it)"
         )
         space = StudySpace(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
