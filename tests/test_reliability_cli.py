@@ -80,14 +80,8 @@ class Case:
     #: texts the error line must contain (the key or thing at fault, and what is wrong)
     says: tuple[str, ...]
     setup: Callable[[Path], None] | None = None
-    #: a known product bug: the case does not (yet) write nothing
-    writes_despite_error: str = ""
 
 
-REGISTRY_LATE = (
-    "product bug: tuner.app opens the registry only after the search, so an unusable "
-    "registry is refused after the study has taken the new trials"
-)
 CASES: dict[str, Case] = {
     # -- values out of range, keys not covered by test_cli_validation ---------------------
     "trial timeout negative": Case(
@@ -162,38 +156,32 @@ CASES: dict[str, Case] = {
     "registry without a driver": Case(
         ("registry.url=nosuchdb://host/plans",),
         ("nosuchdb://host/plans", "no database driver"),
-        writes_despite_error=REGISTRY_LATE,
     ),
     "registry under a plain file": Case(
         # Fails for root too (unlike a chmod 000 directory): a file cannot hold a folder.
         ("registry.url=sqlite:///{dir}/plain.txt/r.sqlite",),
         ("cannot create directory {dir}/plain.txt", "plan registry"),
         _plain_file,
-        writes_despite_error=REGISTRY_LATE,
     ),
     "registry that is not a database": Case(
         ("registry.url=sqlite:///{dir}/plain.txt",),
         ("{dir}/plain.txt", "is not a readable plan registry database"),
         _plain_file,
-        writes_despite_error=REGISTRY_LATE,
     ),
     "registry that is a directory": Case(
         ("registry.url=sqlite:///{dir}/folder",),
         ("registry path {dir}/folder is a directory",),
         _folder,
-        writes_despite_error=REGISTRY_LATE,
     ),
     "registry of a newer schema": Case(
         ("registry.url=sqlite:///{dir}/newer.sqlite",),
         ("'0099'", "python -m db upgrade --url sqlite:///{dir}/newer.sqlite"),
         _newer_registry,
-        writes_despite_error=REGISTRY_LATE,
     ),
     "registry of an older schema": Case(
         ("registry.url=sqlite:///{dir}/older.sqlite",),
         ("python -m db upgrade --url sqlite:///{dir}/older.sqlite",),
         _older_registry,
-        writes_despite_error=REGISTRY_LATE,
     ),
     # -- study storages that cannot be opened ---------------------------------------------
     "study storage under a plain file": Case(
@@ -205,13 +193,6 @@ CASES: dict[str, Case] = {
         ("search.storage=sqlite:///{dir}/plain.txt",),
         ("search.storage=sqlite:///{dir}/plain.txt cannot be opened", "not a database"),
         _plain_file,
-    ),
-}
-#: where the one-line contract itself is broken (a traceback), not only "nothing written"
-TRACEBACK_BUGS = {
-    "study storage under a plain file": (
-        "product bug: the study storage's parent directory is created outside the error "
-        "handling, so a path under a plain file ends in a FileExistsError traceback"
     ),
 }
 
@@ -338,18 +319,7 @@ def test_there_are_at_least_25_cases() -> None:
     assert len(CASES) >= 25
 
 
-def _traceback_bug(name: str) -> list[pytest.MarkDecorator]:
-    if name in TRACEBACK_BUGS:
-        return [pytest.mark.xfail(strict=True, reason=TRACEBACK_BUGS[name])]
-    return []
-
-
-def _write_bug(name: str) -> list[pytest.MarkDecorator]:
-    reason = CASES[name].writes_despite_error
-    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=_traceback_bug(name)) for name in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_error_line_naming_the_problem(
     name: str, outcomes: dict[str, Outcome]
 ) -> None:
@@ -365,7 +335,7 @@ def test_bad_input_is_one_error_line_naming_the_problem(
     assert "HYDRA_FULL_ERROR" not in done.stderr
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=_write_bug(name)) for name in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_writes_nothing(name: str, outcomes: dict[str, Outcome]) -> None:
     outcome = outcomes[name]
     assert outcome.done.returncode != 0

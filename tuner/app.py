@@ -95,6 +95,9 @@ def run(
         name = config.search.study_name or study_name(problem, environment, hashes, variant)
         storage_url = config.search.storage or default_storage_url(config.registry.url)
         _check_storage(storage_url, config.registry.url, shared=gpu_plan is not None)
+        # Checked before the study is touched: a registry that cannot take the
+        # result is refused now, not after the search has spent its trials.
+        PlanRegistry.open(config.registry.url).close()
         storage = open_storage(
             storage_url,
             heartbeat_interval_s=config.search.heartbeat_interval_s,

@@ -77,7 +77,14 @@ def open_storage(
     if backend == "sqlite":
         database = url.removeprefix("sqlite:///")
         if url.startswith("sqlite:///") and database not in ("", ":memory:"):
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            parent = Path(database).expanduser().parent
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise ConfigError(
+                    f"search.storage={url} cannot be opened: cannot create directory "
+                    f"{parent}: {error.strerror}"
+                ) from error
     engine_kwargs: dict[str, Any] = {}
     if backend == "sqlite":
         # isolation_level=None: the driver issues no BEGIN of its own; _sqlite_begin does.
