@@ -149,6 +149,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-measure", action="store_true", help="tune only (no in-process GPU timing)"
     )
+    parser.add_argument(
+        "--tuned-by",
+        type=Path,
+        metavar="EVIDENCE_JSON",
+        help="skip tuning: time the plans an earlier run stored in --work-dir, and take each "
+        "shape's tuning record from that run's JSON",
+    )
     args = parser.parse_args(argv)
     if args.n_trials is not None and args.n_trials < 1:
         parser.error("--n-trials must be >= 1")
@@ -363,7 +370,7 @@ def measure_on_gpu(
             "key": plan.key(),
             "params": plan.params.as_dict(),
             "sequence_splits": plan.sequence_splits,
-            "grid": list(plan.grid),
+            "grid": list(plan.launch.grid),
             "threads": plan.threads,
             "feasible": plan.feasible,
             "reason": plan.reason,
@@ -553,6 +560,8 @@ class Run:
     warmup: int
     measure: bool
     deadline: float
+    #: shape name -> the tuning record of an earlier run that stored its plan here
+    tuned_by: dict[str, Any] | None = None
     log: Callable[[str], None] = print
     environment: dict[str, Any] = field(default_factory=dict)
 
@@ -585,26 +594,31 @@ def evidence_for(problem: Problem, run: Run) -> dict[str, Any]:
         shape["targets"] = []
         return shape
 
-    # 1. tune
+    # 1. tune (or take the record of the earlier run that did)
     command = tune_command(problem, run.work_dir, run.cache_dir, run.n_trials, run.overrides)
     before = cache_entries(run.cache_dir)
     tuning: dict[str, Any] | None = None
-    try:
-        timeout = left - MEASURE_RESERVE_S - INTERRUPT_GRACE_S
-        run.log(f"== {name}: tuning (up to {timeout:.0f} s)\n   {shlex.join(command)}")
-        tuning = run_tuning(command, run.work_dir / f"tune-{name}.log", timeout)
-        tuning |= {
-            "cache_entries_before": before,
-            "cache_entries_after": cache_entries(run.cache_dir),
-            "cache_cold": before == 0,
-            "n_trials_setting": run.n_trials or "project default",
-        }
-        for line in tuning["output_tail"]:
-            run.log(f"   | {line}")
-        if tuning["returncode"] not in (0, 130):
-            shape["errors"].append(f"tuning: exit status {tuning['returncode']}")
-    except Exception as error:  # recorded, and the script goes on
-        shape["errors"].append(f"tuning: {type(error).__name__}: {error}")
+    if run.tuned_by is not None:
+        tuning = run.tuned_by.get(name)
+        if tuning is None:
+            shape["errors"].append("tuning: the earlier run has no record of this shape")
+    else:
+        try:
+            timeout = left - MEASURE_RESERVE_S - INTERRUPT_GRACE_S
+            run.log(f"== {name}: tuning (up to {timeout:.0f} s)\n   {shlex.join(command)}")
+            tuning = run_tuning(command, run.work_dir / f"tune-{name}.log", timeout)
+            tuning |= {
+                "cache_entries_before": before,
+                "cache_entries_after": cache_entries(run.cache_dir),
+                "cache_cold": before == 0,
+                "n_trials_setting": run.n_trials or "project default",
+            }
+            for line in tuning["output_tail"]:
+                run.log(f"   | {line}")
+            if tuning["returncode"] not in (0, 130):
+                shape["errors"].append(f"tuning: exit status {tuning['returncode']}")
+        except Exception as error:  # recorded, and the script goes on
+            shape["errors"].append(f"tuning: {type(error).__name__}: {error}")
     shape["tuning"] = tuning
 
     # 2. the stored plan and the search that found it
@@ -760,6 +774,11 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def _tuning_records(path: Path) -> dict[str, Any]:
+    earlier = json.loads(path.read_text())
+    return {shape["shape"]: shape.get("tuning") for shape in earlier.get("shapes", [])}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -775,6 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         measure=not args.no_measure,
         deadline=started + args.budget_s,
+        tuned_by=_tuning_records(args.tuned_by) if args.tuned_by else None,
     )
     report = header(args, argv, run)
     for problem in args.shapes:
