@@ -478,17 +478,9 @@ def run_search(
             load_if_exists=True,
         )
         search = _Search(space, backend, settings, predictions, study, progress)
-        result = SearchResult(
-            study_name=study_name,
-            storage_url=storage_url(storage),
-            trials=[],
-            over_cutoff=len(space.feasible) - len(search.allowed),
-        )
-        if search.remaining() <= 0:
-            search.stop_reason = f"n_trials={settings.n_trials} already reached"
-        elif not search.unevaluated():
-            search.stop_reason = "every candidate within the traffic cutoff is evaluated"
-        else:
+        result = _empty_result(search, study_name, storage)
+        search.stop_reason = _nothing_left(search)
+        if not search.stop_reason:
             if enqueue:
                 result.enqueued = search.enqueue_top()
             if on_start is not None:
@@ -537,19 +529,29 @@ def prepare_study(
             storage=storage, study_name=study_name, direction="minimize", load_if_exists=True
         )
         search = _Search(space, _NoBackend(), settings, predictions, study, None)
-        result = SearchResult(
-            study_name=study_name,
-            storage_url=storage_url(storage),
-            trials=[],
-            over_cutoff=len(space.feasible) - len(search.allowed),
-        )
-        if search.remaining() <= 0:
-            result.stop_reason = f"n_trials={settings.n_trials} already reached"
-        elif not search.unevaluated():
-            result.stop_reason = "every candidate within the traffic cutoff is evaluated"
-        else:
+        result = _empty_result(search, study_name, storage)
+        result.stop_reason = _nothing_left(search)
+        if not result.stop_reason:
             result.enqueued = search.enqueue_top()
         return result, search.counted
+
+
+def _empty_result(search: _Search, study_name: str, storage: BaseStorage) -> SearchResult:
+    return SearchResult(
+        study_name=study_name,
+        storage_url=storage_url(storage),
+        trials=[],
+        over_cutoff=len(search.space.feasible) - len(search.allowed),
+    )
+
+
+def _nothing_left(search: _Search) -> str:
+    """Why a study has nothing to do before it starts; "" when it has."""
+    if search.remaining() <= 0:
+        return f"n_trials={search.settings.n_trials} already reached"
+    if not search.unevaluated():
+        return "every candidate within the traffic cutoff is evaluated"
+    return ""
 
 
 def study_trials(storage: BaseStorage, study_name: str) -> list[TrialOutcome]:
