@@ -10,7 +10,8 @@ class Environment:
     """GPU and toolchain identity. Plans are stored and served per environment.
 
     ``gpu_name`` is "model" for cost-model predictions made without a GPU (the
-    profile's name goes in ``profile``); string fields are "" when unknown.
+    compute capability and SM count are then the device profile's); string
+    fields are "" when unknown.
     """
 
     gpu_name: str
