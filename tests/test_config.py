@@ -68,7 +68,7 @@ def test_defaults_compose_to_the_schema_defaults() -> None:
     config = load(*SHAPE)
     assert isinstance(config, TunerConfig)
     assert (config.seq_len, config.head_dim) == (4096, 128)
-    assert (config.batch, config.heads, config.causal, config.dtype) == (1, 1, False, "float32")
+    assert (config.batch, config.heads, config.causal, config.dtype) == (1, 1, False, "bfloat16")
     assert (config.mode, config.plan_rows) == ("tune", 20)
     assert config.search == SearchConfig()
     assert config.backend == BackendConfig()

@@ -239,6 +239,12 @@ class PyCudaBackend(Backend):
                 profile,
                 clock_ghz=clock_ghz,
                 peak_fp32_tflops=sm_count * 128 * 2 * clock_ghz / 1e3,
+                # Scaled from the H200's mma.sync rate by SMs x clock (same
+                # tensor-core width per SM assumed).
+                peak_mma_f16_tflops=base.peak_mma_f16_tflops
+                * sm_count
+                * clock_ghz
+                / (base.sm_count * base.clock_ghz),
                 dram_bandwidth_gbps=bandwidth or base.dram_bandwidth_gbps,
             )
         self._profile = profile
