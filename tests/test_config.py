@@ -50,6 +50,9 @@ def hydra_conf_dir() -> Iterator[None]:
 
 
 def compose_config(*overrides: str) -> DictConfig:
+    # The float32 families are what these tests plan for (the default dtype is bfloat16).
+    if not any(o.startswith("dtype=") for o in overrides):
+        overrides = ("dtype=float32", *overrides)
     return compose(config_name="config", overrides=list(overrides))
 
 
@@ -65,7 +68,7 @@ def group_options(group: str) -> list[str]:
 
 
 def test_defaults_compose_to_the_schema_defaults() -> None:
-    config = load(*SHAPE)
+    config = typed_config(compose(config_name="config", overrides=list(SHAPE)))
     assert isinstance(config, TunerConfig)
     assert (config.seq_len, config.head_dim) == (4096, 128)
     assert (config.batch, config.heads, config.causal, config.dtype) == (1, 1, False, "bfloat16")

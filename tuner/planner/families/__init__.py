@@ -49,9 +49,7 @@ def family_named(name: str) -> KernelFamily:
     try:
         return _FAMILIES[name]
     except KeyError:
-        raise PlanError(
-            f"unknown kernel family {name!r}; known: {', '.join(_FAMILIES)}"
-        ) from None
+        raise PlanError(f"unknown kernel family {name!r}; known: {', '.join(_FAMILIES)}") from None
 
 
 def families_for(dtype: str) -> tuple[str, ...]:

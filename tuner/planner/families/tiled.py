@@ -96,9 +96,7 @@ def choose_threads_per_row(
 def tiled_shared_bytes(rows_per_block: int, tile_size: int, head_dim: int) -> int:
     """Dynamic shared memory of ``kernels/tiled.cu``: Q, K, V tiles and the P tile."""
     row = head_dim + SHARED_ROW_PAD
-    floats = (rows_per_block + 2 * tile_size) * row + rows_per_block * (
-        tile_size + SHARED_ROW_PAD
-    )
+    floats = (rows_per_block + 2 * tile_size) * row + rows_per_block * (tile_size + SHARED_ROW_PAD)
     return floats * F32_BYTES
 
 
@@ -131,8 +129,7 @@ class Tiled(KernelFamily):
         reason = ""
         if tile <= 0 or rows <= 0 or target <= 0:
             raise PlanError(
-                f"tile_size={tile}, rows_per_block={rows}, split_target={target}: "
-                "each must be > 0"
+                f"tile_size={tile}, rows_per_block={rows}, split_target={target}: each must be > 0"
             )
         # The seed's partition, with the split target as a tunable.
         tile_count = div_ceil(n, tile)
