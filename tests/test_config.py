@@ -80,7 +80,7 @@ def test_defaults_compose_to_the_schema_defaults() -> None:
 
 
 def test_to_object_gives_typed_sections_not_dictconfigs() -> None:
-    config = load(*SHAPE)
+    config = load(*SHAPE, "search.tile_sizes=[32]")
     assert isinstance(config.search, SearchConfig)
     assert isinstance(config.backend, BackendConfig)
     assert isinstance(config.registry, RegistryConfig)
