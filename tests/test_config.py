@@ -219,7 +219,7 @@ def test_validate_accepts(overrides: tuple[str, ...]) -> None:
         ("heads=[1]", "heads=[1]", "an integer in 1..4294967295"),
         ("causal=maybe", "causal=maybe", "true or false"),
         ("causal=1", "causal=1", "true or false"),
-        ("dtype=int8", "dtype=int8", "one of float32"),
+        ("dtype=int8", "dtype=int8", "one of bfloat16, float16, float32"),
         ("mode=banana", "mode=banana", "one of tune, plan"),
         ("plan_rows=-1", "plan_rows=-1", "an integer >= 0"),
         ("search.sampler=annealing", "search.sampler=annealing", "one of tpe, random, grid"),
@@ -283,7 +283,7 @@ def test_seq_len_range_is_exactly_u32(seq_len: int) -> None:
 
 def test_problem_from_copies_the_shape() -> None:
     config = TunerConfig(seq_len=7, head_dim=32, batch=2, heads=3, causal=True)
-    assert problem_from(config) == Problem(7, 32, 2, 3, True, "float32")
+    assert problem_from(config) == Problem(7, 32, 2, 3, True, "bfloat16")
 
 
 def test_space_axes_from_search_settings() -> None:
