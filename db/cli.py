@@ -28,7 +28,7 @@ from db.registry import PlanRegistry, upgrade_registry
 from db.storage import DEFAULT_URL
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import Problem
+from tuner.problem import SUPPORTED_DTYPES, Problem
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--batch", type=_positive, default=1)
     shape.add_argument("--heads", type=_positive, default=1)
     shape.add_argument("--causal", action="store_true")
-    shape.add_argument("--dtype", default="float32")
+    shape.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32")
     shape.add_argument("--gpu-name", help="restrict to one environment (with the fields below)")
     shape.add_argument("--compute-capability", default="")
     shape.add_argument("--sm-count", type=int, default=0)
@@ -81,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "best", parents=[common, shape, hashes], help="the plan served for a shape"
     )
     best.add_argument("--nearest", action="store_true", help="fall back to the nearest shape")
-    commands.add_parser("list", parents=[common, hashes], help="the best plan of every shape")
+    listing = commands.add_parser(
+        "list", parents=[common, hashes], help="the best plan of every shape"
+    )
+    listing.add_argument(
+        "--dtype", choices=SUPPORTED_DTYPES, help="only shapes of this dtype (default: all)"
+    )
     history = commands.add_parser(
         "history", parents=[common, shape, hashes], help="recorded plans, newest first"
     )
@@ -203,7 +208,10 @@ def run(args: argparse.Namespace) -> int:
                 print(_summary(stored))
             return 0
         if args.command == "list":
-            _emit(args, registry.list_best(source_hashes=hashes))
+            plans = registry.list_best(source_hashes=hashes)
+            if args.dtype is not None:
+                plans = [plan for plan in plans if plan.problem.dtype == args.dtype]
+            _emit(args, plans)
             return 0
         problem = _problem(args, required=False)
         _emit(

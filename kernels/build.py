@@ -28,17 +28,19 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tuner.errors import BackendError
-from tuner.planner.tunable import ResourceUsage
+from tuner.planner.errors import PlanError
+from tuner.planner.families import KernelFamily, family_named, family_names, registered
+from tuner.planner.plan import ResourceUsage
 
 if TYPE_CHECKING:
-    from tuner.planner.tunable import KernelPlan
+    from tuner.planner.plan import KernelPlan
 
 KERNEL_DIR = Path(__file__).resolve().parent
 DEFAULT_ARCH = "sm_90"
@@ -48,12 +50,44 @@ CACHE_FORMAT = 1
 #: must describe the cubin that is deployed.
 NVCC_FLAGS: tuple[str, ...] = ("-cubin", "-O3", "-Xptxas", "-v")
 
-#: entry functions per family; the first is the one whose resources judge the plan.
-ENTRY_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "scalar_online": ("scalar_online_attention",),
-    "tiled": ("tiled_attention", "split_merge"),
-}
-SOURCES: dict[str, str] = {"scalar_online": "scalar_online.cu", "tiled": "tiled.cu"}
+
+
+def entry_functions(family: str) -> tuple[str, ...]:
+    """The family's entry functions; the first is the one whose resources judge the plan."""
+    return _family(family).entry_functions
+
+
+def sources() -> dict[str, str]:
+    """Family -> its ``.cu`` file under ``kernels/``, for every registered family."""
+    return {family.name: family.source for family in registered()}
+
+
+class _FamilyTable(Mapping[str, Any]):
+    """A read-only view over the registered families (one attribute of each)."""
+
+    def __init__(self, attribute: str) -> None:
+        self._attribute = attribute
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(_family(name), self._attribute)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(family_names())
+
+    def __len__(self) -> int:
+        return len(family_names())
+
+
+#: family -> ``.cu`` file name and family -> entry functions, live over the registry
+SOURCES: Mapping[str, str] = _FamilyTable("source")
+ENTRY_FUNCTIONS: Mapping[str, tuple[str, ...]] = _FamilyTable("entry_functions")
+
+
+def _family(name: str) -> KernelFamily:
+    try:
+        return family_named(name)
+    except PlanError as error:
+        raise ValueError(str(error)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +99,7 @@ class KernelSpec:
 
     @classmethod
     def of(cls, family: str, defines: Mapping[str, int]) -> KernelSpec:
-        if family not in SOURCES:
-            raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
+        _family(family)
         return cls(family, tuple(sorted((name, int(value)) for name, value in defines.items())))
 
     @classmethod
@@ -80,7 +113,16 @@ class KernelSpec:
 
     @property
     def primary_function(self) -> str:
-        return ENTRY_FUNCTIONS[self.family][0]
+        return entry_functions(self.family)[0]
+
+    @property
+    def nvcc_flags(self) -> tuple[str, ...]:
+        """The build's flags and the family's own."""
+        return NVCC_FLAGS + _family(self.family).nvcc_flags
+
+    def arch(self, device_arch: str) -> str:
+        """The family's pinned arch (``sm_90a``), else the device's."""
+        return _family(self.family).arch_for(device_arch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +164,7 @@ Progress = Callable[[int, int, CompileResult], None]
 
 
 def source_path(family: str) -> Path:
-    if family not in SOURCES:
-        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
-    return KERNEL_DIR / SOURCES[family]
+    return KERNEL_DIR / _family(family).source
 
 
 def source_hash(family: str) -> str:
@@ -173,8 +213,8 @@ def nvcc_command(nvcc: str, spec: KernelSpec, arch: str, output: Path) -> list[s
     defines = [f"-D{name}={value}" for name, value in spec.defines]
     return [
         nvcc,
-        *NVCC_FLAGS,
-        f"-arch={arch}",
+        *spec.nvcc_flags,
+        f"-arch={spec.arch(arch)}",
         *defines,
         "-o",
         str(output),
@@ -247,8 +287,8 @@ def _variant_digest(spec: KernelSpec, arch: str) -> str:
         "family": spec.family,
         "defines": spec.defines,
         "source": source_hash(spec.family),
-        "arch": arch,
-        "flags": NVCC_FLAGS,
+        "arch": spec.arch(arch),
+        "flags": spec.nvcc_flags,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -348,7 +388,7 @@ def _compile(
             return CompileFailure(spec=spec, reason=reason, stderr=log)
         cubin = output.read_bytes()
     resources = parse_ptxas_report(log)
-    missing = [name for name in ENTRY_FUNCTIONS[spec.family] if name not in resources]
+    missing = [name for name in entry_functions(spec.family) if name not in resources]
     if missing:
         return CompileFailure(
             spec=spec, reason=f"ptxas reported no resources for {', '.join(missing)}", stderr=log
@@ -359,7 +399,7 @@ def _compile(
         "family": spec.family,
         "defines": dict(spec.defines),
         "source_hash": source,
-        "arch": arch,
+        "arch": spec.arch(arch),
         "nvcc_version": version,
         "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
         "resources": {
@@ -383,7 +423,7 @@ def _compile(
         cubin=cubin,
         resources=resources,
         source_hash=source,
-        arch=arch,
+        arch=spec.arch(arch),
         nvcc_version=version,
         ptxas_log=log,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +25,10 @@ from tuner.costmodel import predict_time_ms
 from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError
+from tuner.planner.errors import PlanError
+from tuner.planner.families import family_named, family_names
 from tuner.planner.space import candidate_space
-from tuner.planner.tunable import FAMILIES, KernelParams, KernelPlan, plan_kernel
+from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
 from tuner.problem import Problem
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ PlanCheck = Callable[[KernelPlan], "KernelPlan | str"]
 
 
 def current_source_hashes() -> dict[str, str]:
-    return {family: build.source_hash(family) for family in build.SOURCES}
+    return {family: build.source_hash(family) for family in build.sources()}
 
 
 def _same_gpu(one: Environment, other: Environment) -> bool:
@@ -156,12 +158,19 @@ class PlanChooser:
 
     def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:
         record = stored.record
-        names = {f.name for f in fields(KernelParams)} - {"family"}
-        if record.family not in FAMILIES or "threads" not in record.params:
+        if record.family not in family_names():
             return f"{record.family} {record.params} is not a kernel this version knows"
-        if not set(record.params) <= names:
-            return f"unknown tunables {sorted(set(record.params) - names)}"
-        params = KernelParams(record.family, **record.params)  # type: ignore[arg-type]
+        missing = [
+            tunable.name
+            for tunable in family_named(record.family).tunables
+            if tunable.name not in record.params
+        ]
+        if missing:
+            return f"{record.family} {record.params} lacks tunables {', '.join(missing)}"
+        try:
+            params = KernelParams.from_stored(record.family, record.params)
+        except PlanError as error:
+            return str(error)
         plan = plan_kernel(problem, params, self.device)
         return self._check(plan) if plan.feasible else plan.reason
 

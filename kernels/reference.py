@@ -20,17 +20,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from tuner.planner.launches import scale_log2
+
 if TYPE_CHECKING:
-    from tuner.planner.tunable import KernelPlan
+    from tuner.planner.plan import KernelPlan
 
 FloatArray = npt.NDArray[np.floating]
 #: scores of one chunk of rows are kept below this many float64s (about 32 MiB)
 _CHUNK_ELEMENTS = 1 << 22
 
-
-def scale_log2(head_dim: int) -> float:
-    """The kernels' ``scale_log2`` argument: scores in the log2 domain, ``log2(e)/sqrt(d)``."""
-    return math.log2(math.e) / math.sqrt(head_dim)
 
 
 def _heads_view(array: npt.ArrayLike) -> np.ndarray:
@@ -215,7 +213,7 @@ def emulate_online(
     return out[:, :n].reshape(q_in.shape)
 
 
-def emulate_tiled(
+def emulate_plan(
     q: npt.ArrayLike,
     k: npt.ArrayLike,
     v: npt.ArrayLike,
@@ -223,26 +221,30 @@ def emulate_tiled(
     plan: KernelPlan,
     dtype: npt.DTypeLike = np.float32,
 ) -> np.ndarray:
-    """``kernels/tiled.cu`` replayed in numpy with the plan's partition.
+    """A plan's kernel replayed in numpy with the partition its family follows.
 
     Row blocks of ``rows_per_block``, key tiles of ``tile_size``, splits of
     ``keys_per_sequence_split`` keys (one launch column each), then the split
-    merge when there is more than one. ``dtype`` float32 mimics the kernel's
-    arithmetic (up to summation order); float64 checks the algorithm itself.
+    merge when there is more than one (``KernelFamily.online_partition``).
+    ``dtype`` float32 mimics the kernel's arithmetic (up to summation order);
+    float64 checks the algorithm itself.
     """
-    if plan.family != "tiled":
-        raise ValueError(f"emulate_tiled needs a tiled plan, got {plan.family!r}")
+    partition = plan.kernel_family.online_partition(plan)
     return emulate_online(
         q,
         k,
         v,
         causal,
-        tile_size=plan.tile_size,
-        keys_per_split=plan.keys_per_sequence_split,
-        rows_per_block=plan.rows_per_block,
-        splits=plan.sequence_splits,
+        tile_size=partition.tile_size,
+        keys_per_split=partition.keys_per_split,
+        rows_per_block=partition.rows_per_block,
+        splits=partition.splits,
         dtype=dtype,
     )
+
+
+#: ``emulate_plan`` under the name the tiled kernel's tests know
+emulate_tiled = emulate_plan
 
 
 def emulate_scalar(

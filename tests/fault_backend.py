@@ -38,6 +38,7 @@ from kernels import build
 from kernels.backends.base import Backend, Failure, Measurement
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.launch import KernelLaunch
+from tuner.planner.families import family_named
 from tuner.planner.tunable import KernelPlan
 from tuner.problem import Problem
 
@@ -83,13 +84,14 @@ def check_fault(plan: KernelPlan, fault: str) -> None:
 def broken_source(family: str, fault: str) -> Iterator[Path]:
     """While inside, ``kernels.build`` compiles ``family`` from the fault's file."""
     path = BROKEN_DIR / SOURCE_FAULTS[fault]
-    previous = build.SOURCES[family]
-    # build.source_path is KERNEL_DIR / SOURCES[family]: an absolute path replaces the folder.
-    build.SOURCES[family] = str(path)
+    kernel_family = family_named(family)
+    # build.source_path is KERNEL_DIR / family.source: an absolute path replaces the folder.
+    # The family's own source is a class attribute; the swap shadows it on the instance.
+    kernel_family.source = str(path)  # type: ignore[misc]
     try:
         yield path
     finally:
-        build.SOURCES[family] = previous
+        del kernel_family.source
 
 
 def compile_broken(

@@ -70,7 +70,9 @@ def hydra_conf() -> Iterator[None]:
 
 
 def run_in_process(tmp_path: Path, *overrides: str) -> tuple[int, str]:
-    cfg = compose(config_name="config", overrides=["seq_len=512", "head_dim=64", *overrides])
+    cfg = compose(
+        config_name="config", overrides=["seq_len=512", "head_dim=64", "dtype=float32", *overrides]
+    )
     out = io.StringIO()
     status = run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out)
     return status, out.getvalue()
@@ -146,6 +148,7 @@ def test_replay_of_gpu_timings_is_stored_as_measured_under_the_recorded_sources(
         overrides=[
             "seq_len=4096",
             "head_dim=128",
+            "dtype=float32",
             "backend=replay",
             f"backend.replay_path={GPU_RECORDING}",
             "search.n_trials=30",
@@ -171,7 +174,13 @@ def test_replay_of_gpu_timings_is_stored_as_measured_under_the_recorded_sources(
 def test_plots_are_skipped_with_a_line_without_a_run_directory(tmp_path, hydra_conf):
     cfg = compose(
         config_name="config",
-        overrides=["seq_len=512", "head_dim=64", "backend=model", "search.n_trials=3"]
+        overrides=[
+            "seq_len=512",
+            "head_dim=64",
+            "dtype=float32",
+            "backend=model",
+            "search.n_trials=3",
+        ]
         + urls(tmp_path),
     )
     out = io.StringIO()
@@ -198,6 +207,7 @@ def test_cli_model_backend(tmp_path):
         tmp_path,
         "seq_len=512",
         "head_dim=64",
+        "dtype=float32",
         "backend=model",
         "search.n_trials=12",
         *urls(tmp_path),
@@ -215,7 +225,14 @@ def test_cli_model_backend(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda installed")
 def test_cli_auto_falls_back_to_the_model_and_says_why(tmp_path):
-    done = tuner_cli(tmp_path, "seq_len=512", "head_dim=64", "search.n_trials=3", *urls(tmp_path))
+    done = tuner_cli(
+        tmp_path,
+        "seq_len=512",
+        "head_dim=64",
+        "dtype=float32",
+        "search.n_trials=3",
+        *urls(tmp_path),
+    )
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("backend:")]
     assert line == (
@@ -229,6 +246,7 @@ def test_cli_replay_backend(tmp_path):
         tmp_path,
         "seq_len=512",
         "head_dim=64",
+        "dtype=float32",
         "backend=replay",
         f"backend.replay_path={FIXTURE}",
         "search.n_trials=12",
@@ -244,6 +262,7 @@ def test_cli_replay_of_another_problem_is_one_error_line(tmp_path):
         tmp_path,
         "seq_len=1024",
         "head_dim=64",
+        "dtype=float32",
         "backend=replay",
         f"backend.replay_path={FIXTURE}",
         *urls(tmp_path),
@@ -257,7 +276,7 @@ def test_cli_replay_of_another_problem_is_one_error_line(tmp_path):
 
 
 def test_cli_ctrl_c_keeps_the_best_so_far_and_the_rerun_continues(tmp_path):
-    overrides = ["seq_len=4096", "head_dim=128", "backend=model", *urls(tmp_path)]
+    overrides = ["seq_len=4096", "head_dim=128", "dtype=float32", "backend=model", *urls(tmp_path)]
     process = subprocess.Popen(
         [
             sys.executable,

@@ -90,7 +90,7 @@ def run_cli(workdir: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def case_arguments(case: Case) -> list[str]:
-    shape = {"seq_len": "4096", "head_dim": "128"}
+    shape = {"seq_len": "4096", "head_dim": "128", "dtype": "float32"}
     for override in case.overrides:
         shape.pop(override.lstrip("+").partition("=")[0], None)
     for key in case.drop:
@@ -138,7 +138,13 @@ def test_bad_input_is_one_error_line(
 
 def test_multirun_sweep_keeps_going_past_a_bad_job(tmp_path: Path) -> None:
     result = run_cli(
-        tmp_path, "-m", "mode=plan", "plan_rows=1", "seq_len=1024,abc,2048", "head_dim=64"
+        tmp_path,
+        "-m",
+        "mode=plan",
+        "plan_rows=1",
+        "seq_len=1024,abc,2048",
+        "head_dim=64",
+        "dtype=float32",
     )
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
@@ -149,7 +155,15 @@ def test_multirun_sweep_keeps_going_past_a_bad_job(tmp_path: Path) -> None:
 
 
 def test_multirun_sweep_of_good_shapes(tmp_path: Path) -> None:
-    result = run_cli(tmp_path, "-m", "mode=plan", "plan_rows=1", "seq_len=64,128", "head_dim=32,64")
+    result = run_cli(
+        tmp_path,
+        "-m",
+        "mode=plan",
+        "plan_rows=1",
+        "seq_len=64,128",
+        "head_dim=32,64",
+        "dtype=float32",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout.count("problem: ") == 4
@@ -180,7 +194,7 @@ def test_tuner_error_from_the_app_is_one_line(
         raise RegistryError("registry sqlite:///x cannot be opened: disk I/O error")
 
     fake_app.run = run  # type: ignore[attr-defined]
-    assert run_main(monkeypatch, "seq_len=256", "head_dim=64") == 1
+    assert run_main(monkeypatch, "seq_len=256", "head_dim=64", "dtype=float32") == 1
     assert capsys.readouterr().err == (
         "error: registry sqlite:///x cannot be opened: disk I/O error\n"
     )
@@ -197,7 +211,7 @@ def test_exit_status_is_the_app_s(
         return 3
 
     fake_app.run = run  # type: ignore[attr-defined]
-    assert run_main(monkeypatch, "seq_len=256", "head_dim=64", "batch=2") == 3
+    assert run_main(monkeypatch, "seq_len=256", "head_dim=64", "dtype=float32", "batch=2") == 3
     (validated,) = seen
     assert validated.problem.batch == 2 and validated.config.mode == "tune"
 
@@ -210,7 +224,7 @@ def test_a_bug_keeps_its_traceback(
 
     fake_app.run = run  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="a bug"):
-        run_main(monkeypatch, "seq_len=256", "head_dim=64")
+        run_main(monkeypatch, "seq_len=256", "head_dim=64", "dtype=float32")
 
 
 def test_user_s_hydra_full_error_brings_tracebacks_back(
@@ -218,7 +232,7 @@ def test_user_s_hydra_full_error_brings_tracebacks_back(
 ) -> None:
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(Exception, match="Could not override 'foo'"):
-        run_main(monkeypatch, "seq_len=256", "head_dim=64", "foo=1")
+        run_main(monkeypatch, "seq_len=256", "head_dim=64", "dtype=float32", "foo=1")
     assert os.environ["HYDRA_FULL_ERROR"] == "1"
 
 

@@ -20,8 +20,8 @@ from tuner.planner import (
     plan_flash_attention_tiled,
     plan_kernel,
 )
+from tuner.planner.families.base import key_rows_read_per_head
 from tuner.planner.tunable import (
-    _key_rows_read_per_head,
     choose_threads_per_row,
     tiled_shared_bytes,
 )
@@ -110,7 +110,7 @@ def test_causal_halves_the_work_and_the_traffic():
 @given(n=st.integers(1, 5000), rows=st.sampled_from([1, 3, 16, 64, 128]))
 def test_causal_key_rows_closed_form(n, rows):
     blocks = -(-n // rows)
-    assert _key_rows_read_per_head(n, rows, True) == sum(
+    assert key_rows_read_per_head(n, rows, True) == sum(
         min(n, (b + 1) * rows) for b in range(blocks)
     )
 

@@ -404,8 +404,8 @@ def test_frozen_0001_database_is_refused_then_upgraded(tmp_path: Path) -> None:
             PlanRegistry.open(url, readonly=readonly)
         assert f"python -m db upgrade --url {url}" in one_line(caught.value)
 
-    assert upgrade_registry(url) == ("0001", "0002")
-    assert upgrade_registry(url) == ("0002", "0002")  # idempotent
+    assert upgrade_registry(url) == ("0001", "0003")
+    assert upgrade_registry(url) == ("0003", "0003")  # idempotent
 
     with PlanRegistry.open(url) as registry:
         h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
@@ -546,3 +546,37 @@ def test_plan_record_rejects_invalid_values(kwargs: dict) -> None:
     base = {"family": "tiled", "params": {}, "source_hash": "h"}
     with pytest.raises(ValueError):
         PlanRecord(**(base | kwargs))
+
+
+def test_a_0002_database_with_a_row_upgrades_to_0003_and_reads_as_float32(tmp_path: Path) -> None:
+    """A registry at 0002 (the frozen 0001 file upgraded to 0002 only) with a problem row
+    written without a dtype upgrades, and its plan is served for the float32 problem."""
+    from alembic import command
+
+    from db.schema import alembic_config
+
+    path = tmp_path / "registry_0002.sqlite"
+    shutil.copy(FROZEN_0001, path)
+    url = f"sqlite:///{path}"
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0002")
+    engine.dispose()
+    connection = sqlite3.connect(path)
+    assert connection.execute("SELECT version_num FROM alembic_version").fetchall() == [("0002",)]
+    # A writer that left dtype empty (the column had no default before 0003).
+    connection.execute("UPDATE problems SET dtype = '' WHERE seq_len = 4096")
+    connection.commit()
+    connection.close()
+
+    assert upgrade_registry(url) == ("0002", "0003")
+    h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
+    with PlanRegistry.open(url, readonly=True) as registry:
+        best = registry.best(Problem(4096, 128, dtype="float32"), h200_0001)
+        assert best is not None and best.record.median_ms == 0.8125
+        assert registry.best(Problem(4096, 128, dtype="bfloat16"), h200_0001) is None
+    connection = sqlite3.connect(path)
+    assert connection.execute("SELECT DISTINCT dtype FROM problems").fetchall() == [("float32",)]
+    connection.close()

@@ -44,7 +44,7 @@ CONF_DIR = ROOT / "conf"
 FROZEN_0001 = ROOT / "tests" / "data" / "registry_0001.sqlite"
 REPLAY_FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 PROBLEM = Problem(512, 64)
-BASE = ("seq_len=512", "head_dim=64", "backend=model", "search.n_trials=6")
+BASE = ("seq_len=512", "head_dim=64", "backend=model", "search.n_trials=6", "dtype=float32")
 SEEDED_TRIALS = 3
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -207,7 +207,12 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             config_name="config",
-            overrides=[*BASE[:3], f"search.n_trials={SEEDED_TRIALS}", *urls(directory)],
+            overrides=[
+                *BASE[:3],
+                "dtype=float32",
+                f"search.n_trials={SEEDED_TRIALS}",
+                *urls(directory),
+            ],
         )
     status = run(validate(typed_config(cfg)), out=io.StringIO())
     assert status == 0

@@ -47,6 +47,7 @@ SEED = 20261202
 OVERRIDES = (
     "seq_len=4096",
     "head_dim=128",
+    "dtype=float32",
     "backend=replay",
     f"backend.replay_path={RECORDING}",
     "search=grid",

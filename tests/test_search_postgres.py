@@ -41,7 +41,9 @@ def hydra_conf() -> Iterator[None]:
 
 
 def tune(*overrides: str, out: io.StringIO, tmp_path: Path) -> int:
-    cfg = compose(config_name="config", overrides=["seq_len=512", "head_dim=64", *overrides])
+    cfg = compose(
+        config_name="config", overrides=["seq_len=512", "head_dim=64", "dtype=float32", *overrides]
+    )
     return run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out)
 
 

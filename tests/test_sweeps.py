@@ -48,7 +48,12 @@ def stored_shapes(tmp_path: Path) -> set[tuple[int, int]]:
 
 def test_a_sweep_tunes_every_shape_into_the_registry(tmp_path):
     done = sweep(
-        tmp_path, "seq_len=1024,2048,4096", "head_dim=64,128", "backend=model", "search.n_trials=3"
+        tmp_path,
+        "seq_len=1024,2048,4096",
+        "head_dim=64,128",
+        "dtype=float32",
+        "backend=model",
+        "search.n_trials=3",
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("registry: ") == 6
@@ -65,6 +70,7 @@ def test_a_joblib_sweep_runs_the_jobs_in_parallel_processes(tmp_path):
         tmp_path,
         "seq_len=1024,2048,4096",
         "head_dim=64,128",
+        "dtype=float32",
         "backend=model",
         "search.n_trials=3",
         "hydra/launcher=joblib",
@@ -81,6 +87,7 @@ def test_a_failed_joblib_job_makes_the_sweep_fail(tmp_path):
         tmp_path,
         "seq_len=512,1024",
         "head_dim=64",
+        "dtype=float32",
         "backend=replay",
         f"backend.replay_path={FIXTURE}",
         "search.n_trials=3",
@@ -103,7 +110,12 @@ def test_the_slurm_launcher_config_composes():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
             config_name="config",
-            overrides=["seq_len=4096", "head_dim=128", "hydra/launcher=slurm_h200"],
+            overrides=[
+                "seq_len=4096",
+                "head_dim=128",
+                "dtype=float32",
+                "hydra/launcher=slurm_h200",
+            ],
             return_hydra_config=True,
         )
     launcher = cfg.hydra.launcher

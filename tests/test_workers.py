@@ -54,6 +54,7 @@ def tune(tmp_path: Path, *overrides: str) -> tuple[int, str]:
         overrides=[
             "seq_len=512",
             "head_dim=64",
+            "dtype=float32",
             f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
             f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
             *overrides,
@@ -110,7 +111,8 @@ def test_two_replay_workers_store_one_best_plan(tmp_path, hydra_conf):
 )
 def test_workers_must_be_a_positive_integer_or_auto(hydra_conf, value, shown):
     cfg = compose(
-        config_name="config", overrides=["seq_len=512", "head_dim=64", f"workers={value}"]
+        config_name="config",
+        overrides=["seq_len=512", "head_dim=64", "dtype=float32", f"workers={value}"],
     )
     with pytest.raises(ConfigError) as caught:
         validate(typed_config(cfg))
@@ -118,7 +120,10 @@ def test_workers_must_be_a_positive_integer_or_auto(hydra_conf, value, shown):
 
 
 def test_workers_auto_is_accepted(hydra_conf):
-    cfg = compose(config_name="config", overrides=["seq_len=512", "head_dim=64", "workers=auto"])
+    cfg = compose(
+        config_name="config",
+        overrides=["seq_len=512", "head_dim=64", "dtype=float32", "workers=auto"],
+    )
     assert validate(typed_config(cfg)).config.workers == "auto"
 
 
@@ -307,6 +312,7 @@ def test_ctrl_c_reaches_every_worker_and_the_best_so_far_is_stored(tmp_path):
             "tuner",
             "seq_len=4096",
             "head_dim=128",
+            "dtype=float32",
             "backend=model",
             "workers=2",
             "search.n_trials=400",

@@ -44,8 +44,9 @@ from tuner.environment import Environment
 from tuner.errors import BackendError, ConfigError
 from tuner.isolation import IsolatedBackend
 from tuner.planner.errors import PlanError
+from tuner.planner.families import family_named
 from tuner.planner.space import candidate_space
-from tuner.planner.tunable import KernelParams, KernelPlan
+from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
 from tuner.search import encoding_for, run_search
@@ -284,7 +285,7 @@ def _source_hashes(choice: BackendChoice, backend: Backend, problem: Problem) ->
     recording's (so the registry sees a stale recording as stale)."""
     from kernels import build
 
-    current = {family: build.source_hash(family) for family in build.SOURCES}
+    current = {family: build.source_hash(family) for family in build.sources()}
     if choice.name == "replay":
         recorded = backend.recording_for(problem).source_hashes  # type: ignore[attr-defined]
         return current | dict(recorded)
@@ -321,10 +322,11 @@ def plan_record(
 ) -> PlanRecord:
     """The registry's record of a trial: the plan's parameters and all its evidence."""
     family = str(best.params["family"])
+    # The family's tunables only (the trial also records the plan's sequence_splits).
     params = {
-        name: int(best.params[name])
-        for name in KernelParams.__dataclass_fields__
-        if name != "family" and name in best.params
+        tunable.name: int(best.params[tunable.name])
+        for tunable in family_named(family).tunables
+        if tunable.name in best.params
     }
     return PlanRecord(
         family=family,

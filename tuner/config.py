@@ -19,9 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from tuner.device import DeviceProfile
 from tuner.errors import ConfigError
 from tuner.planner.errors import PlanError
+from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.planner.tunable import FAMILIES
 from tuner.problem import SUPPORTED_DTYPES, Problem
 
 
@@ -49,12 +49,17 @@ class SearchConfig:
     #: a running trial silent this long belongs to a dead worker: it is failed and
     #: retried; null: twice heartbeat_interval_s
     grace_period_s: int | None = None
-    families: list[str] = field(default_factory=lambda: ["scalar_online", "tiled"])
-    tile_sizes: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
-    rows_per_block: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
-    tiled_threads: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
-    scalar_threads: list[int] = field(default_factory=lambda: [64, 128, 256])
-    split_targets: list[int] = field(default_factory=lambda: [2**k for k in range(17)])
+    #: kernel families to search; null: every registered family that takes the dtype
+    families: list[str] | None = None
+    # Narrowing of the built-in families' tunables (null: the family's own values).
+    tile_sizes: list[int] | None = None
+    rows_per_block: list[int] | None = None
+    tiled_threads: list[int] | None = None
+    scalar_threads: list[int] | None = None
+    split_targets: list[int] | None = None
+    #: any family's tunable by its axis name, ``<family>_<tunable>`` unless the
+    #: family names it otherwise: ``+search.axes.mma_f16_block_m=[64]``
+    axes: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,6 +106,7 @@ class DeviceConfig:
     warp_size: int = 32
     l2_bytes: int = 62914560
     peak_fp32_tflops: float = 67.0
+    peak_mma_f16_tflops: float = 660.0
     dram_bandwidth_gbps: float = 4300.0
     shared_bandwidth_bytes_per_clock_per_sm: int = 128
     clock_ghz: float = 1.98
@@ -113,7 +119,8 @@ class TunerConfig:
     batch: Any = 1
     heads: Any = 1
     causal: Any = False
-    dtype: Any = "float32"
+    #: bfloat16 by default: what LLM users run attention in
+    dtype: Any = "bfloat16"
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -230,17 +237,29 @@ def _workers() -> Rule:
     )
 
 
-def _int_list() -> Rule:
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(x) and x >= 1 for x in value)
+
+
+def _int_list(*, optional: bool = False) -> Rule:
+    allowed = "a non-empty list of integers >= 1" + (" or null" if optional else "")
+    return Rule(allowed, lambda v: (optional and v is None) or _is_int_list(v))
+
+
+def _subset_of(options: Sequence[str], *, optional: bool = False) -> Rule:
     return Rule(
-        "a non-empty list of integers >= 1",
-        lambda v: isinstance(v, list) and bool(v) and all(_is_int(x) and x >= 1 for x in v),
+        f"a non-empty list drawn from {', '.join(options)}" + (" or null" if optional else ""),
+        lambda v: (optional and v is None)
+        or (isinstance(v, list) and bool(v) and all(x in options for x in v)),
     )
 
 
-def _subset_of(options: Sequence[str]) -> Rule:
+def _axes() -> Rule:
+    known = sorted(SpaceAxes().values())
     return Rule(
-        f"a non-empty list drawn from {', '.join(options)}",
-        lambda v: isinstance(v, list) and bool(v) and all(x in options for x in v),
+        f"a mapping of tunable axes ({', '.join(known)}) to non-empty lists of integers >= 1",
+        lambda v: isinstance(v, dict)
+        and all(k in known and _is_int_list(x) for k, x in v.items()),
     )
 
 
@@ -253,6 +272,7 @@ _AXIS_KEYS = (
     "tiled_threads",
     "scalar_threads",
     "split_targets",
+    "axes",
 )
 
 RULES: dict[str, Rule] = {
@@ -281,12 +301,13 @@ RULES: dict[str, Rule] = {
     "search.grace_period_s": Rule(
         "an integer >= 1 or null", lambda v: v is None or (_is_int(v) and v >= 1)
     ),
-    "search.families": _subset_of(FAMILIES),
-    "search.tile_sizes": _int_list(),
-    "search.rows_per_block": _int_list(),
-    "search.tiled_threads": _int_list(),
-    "search.scalar_threads": _int_list(),
-    "search.split_targets": _int_list(),
+    "search.families": _subset_of(family_names(), optional=True),
+    "search.tile_sizes": _int_list(optional=True),
+    "search.rows_per_block": _int_list(optional=True),
+    "search.tiled_threads": _int_list(optional=True),
+    "search.scalar_threads": _int_list(optional=True),
+    "search.split_targets": _int_list(optional=True),
+    "search.axes": _axes(),
     "backend.name": _one_of(BACKENDS),
     "backend.replay_path": _text(optional=True),
     "backend.repetitions": _int_in(1),
@@ -467,14 +488,14 @@ def space_axes_from(search_config: SearchConfig) -> SpaceAxes:
     """The values each tunable may take, as the search settings restrict them."""
     for name in _AXIS_KEYS:
         _check(f"search.{name}", getattr(search_config, name))
-    return SpaceAxes(
-        tile_sizes=tuple(search_config.tile_sizes),
-        rows_per_block=tuple(search_config.rows_per_block),
-        tiled_threads=tuple(search_config.tiled_threads),
-        scalar_threads=tuple(search_config.scalar_threads),
-        split_targets=tuple(search_config.split_targets),
-        families=tuple(search_config.families),
-    )
+    values = {
+        name: tuple(getattr(search_config, name))
+        for name in _AXIS_KEYS
+        if name not in ("families", "axes") and getattr(search_config, name) is not None
+    }
+    values |= {name: tuple(given) for name, given in dict(search_config.axes).items()}
+    families = search_config.families
+    return SpaceAxes(families=None if families is None else tuple(families), values=values)
 
 
 def validate(config: TunerConfig) -> ValidatedConfig:
@@ -511,6 +532,14 @@ def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceA
         raise ConfigError(f"{shape} is invalid: cannot be planned: {error}") from error
     if space.feasible:
         return
+    if not families_for(problem.dtype):
+        takers = ", ".join(
+            f"{family.name} ({'/'.join(family.dtypes)})" for family in registered()
+        )
+        raise ConfigError(
+            f"dtype={problem.dtype} is invalid: no registered kernel family takes it, so "
+            f"pruning left nothing to search (families: {takers})"
+        )
     summary = rejection_summary(space)
     example = f"; most often: {summary[0].example}" if summary else ""
     raise ConfigError(

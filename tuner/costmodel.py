@@ -13,30 +13,32 @@ taken against the whole device:
   ``global_write_bytes``, which already count K/V re-reads per block of query
   rows) over ``dram_bandwidth_gbps``. Re-reads that hit L2 make this
   pessimistic for small ``rows_per_block``; that is the direction we want.
-* compute: executed FFMA flops (matmul work padded to whole tiles and blocks)
-  at ``peak_fp32_tflops``, plus the other instructions: one-op instructions
-  (max, add, compare, and every shared-memory load and store) at half the
-  flop rate (one op per lane-instruction, an FFMA counts two flops), and
+* compute: executed matmul flops (padded to whole tiles and blocks) at the
+  rate of the pipe the family runs them on (``matmul_rate``: FP32 FFMA at
+  ``peak_fp32_tflops``, bf16/fp16 ``mma.sync`` at ``peak_mma_f16_tflops``),
+  plus the other instructions: one-op instructions (max, add, compare, and
+    every shared-memory load and store) at half the flop rate (one op per lane-
+  instruction, an FFMA counts two flops), and
   ``exp2`` on the SFU, which issues 16 per clock per SM against 128 FP32
   lanes (CUDA C++ Programming Guide, arithmetic-instruction throughput table,
   compute capability 9.0). The three are summed: they share the warp
   schedulers' issue slots.
 * shared memory: bytes a warp really moves through the shared-memory banks
   (broadcasts counted once) over ``shared_bandwidth_bytes_per_clock_per_sm``
-  x SMs x clock. For ``tiled`` per K/V tile a thread reads its
-  ``rows_per_thread`` Q rows and ``keys_per_lane`` K rows (``head_dim`` floats
-  each), writes its P scores, then reads its P rows and ``tile_size`` V rows
-  of its ``head_dim / threads_per_row`` columns; the block also stores the K
-  and V tiles. For ``scalar_online`` each attended key reads and writes the
-  thread's ``head_dim`` accumulators (the kernel keeps them in shared memory).
+  x SMs x clock.
+
+What a family's kernel executes (padded pairs, exp2 count, shared-memory
+bytes and instructions, independent instructions per warp) are the family's
+``CostTerms`` (``KernelFamily.cost_terms`` in ``tuner.planner.families``);
+this module only turns them into time and never names a family.
 
 That bound is then multiplied by a slowdown for the part of the device the
 launch leaves idle: latency hiding and waves (see ``_slowdown``). Latency is
-hidden by warps *and* by independent instructions within a warp (the tiled
-kernel's register micro-tile of ``rows_per_thread x keys_per_lane``
-accumulators): a scheduler is kept busy when warps x independent
-instructions per warp cover ``LATENCY_CYCLES``, and below that throughput
-falls linearly. With several latency-bound waves the tail costs
+hidden by warps *and* by independent instructions within a warp
+(``CostTerms.ilp``, e.g. a register micro-tile of accumulators): a
+scheduler is kept busy when warps x independent instructions per warp cover
+``LATENCY_CYCLES``, and below that throughput falls linearly. With several
+latency-bound waves the tail costs
 ``ceil(waves) / waves``; with less than one wave on fewer blocks than SMs the
 idle SMs cost their share. The split
 merge is a second, streaming launch: the partials it reads and the output it
@@ -53,7 +55,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tuner.device import DeviceProfile
-from tuner.planner.tunable import F32_BYTES, KernelPlan
+from tuner.planner.families import CostTerms, MatmulPipe
+from tuner.planner.plan import KernelPlan
+
+#: split scratch (partials) is float32 whatever the problem's dtype
+F32_BYTES = 4
 
 #: host-side cost of one kernel launch on the critical path (CUDA driver
 #: launch latency is about 3-5 us for back-to-back launches).
@@ -68,11 +74,6 @@ WARP_SCHEDULERS_PER_SM = 4
 #: independent accumulators per thread beyond which more do not help (the
 #: compiler's scheduling window); 32 is a 4 x 8 register micro-tile.
 MAX_ILP = 32
-#: the scalar kernel's score is one dependent FMA chain per key, its
-#: accumulator update independent per column (unrolled by 8): taken as 4.
-SCALAR_ILP = 4
-#: exp2 per attended pair: tiled computes p only; scalar also a correction per key.
-EXPS_PER_PAIR = {"tiled": 1, "scalar_online": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +111,10 @@ def predict(plan: KernelPlan, device: DeviceProfile) -> Prediction:
     kernel_bytes = plan.global_bytes - merge_bytes
     dram_ms = _ms(kernel_bytes, device.dram_bandwidth_gbps * 1e9)
 
-    executed = _executed_pairs(plan)
-    executed_flops = 4 * plan.problem.head_dim * plan.problem.batch_heads * executed
-    shared_bytes, shared_lane_ops = _shared_traffic(plan, executed)
-    compute_ms = _compute_ms(plan, executed, executed_flops, shared_lane_ops, device)
+    terms = plan.kernel_family.cost_terms(plan)
+    executed_flops = 4 * plan.problem.head_dim * plan.problem.batch_heads * terms.executed_pairs
+    shared_bytes = terms.shared_bytes
+    compute_ms = _compute_ms(plan, terms, device)
 
     shared_rate = device.shared_bandwidth_bytes_per_clock_per_sm * device.sm_count
     shared_ms = _ms(shared_bytes, shared_rate * device.clock_ghz * 1e9)
@@ -153,92 +154,26 @@ def _ms(amount: float, per_second: float) -> float:
     return 1e3 * amount / per_second
 
 
-def _executed_pairs(plan: KernelPlan) -> int:
-    """(query, key) pairs whose scores the kernel computes, per (batch, head).
-
-    Query rows are padded to whole blocks and keys to whole tiles (masked
-    scores are computed, then discarded). Causal blocks stop at their last
-    row's tile: block ``b`` of ``R`` rows computes about ``(b + 1) R + T / 2``
-    keys; the closed form avoids a loop over blocks for long sequences.
-    """
-    n = plan.problem.seq_len
-    rows = plan.rows_per_block if plan.family == "tiled" else plan.threads
-    tile = plan.tile_size
-    row_blocks = math.ceil(n / rows)
-    padded_rows = row_blocks * rows
-    padded_keys = plan.tile_count * tile
-    if not plan.problem.causal:
-        return padded_rows * padded_keys
-    causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * tile // 2)
-    return min(causal, padded_rows * padded_keys)
+def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:
+    """FLOP/s of the pipe a family's matmuls run on (``CostTerms.matmul_pipe``)."""
+    if pipe == "ffma":
+        return device.peak_fp32_tflops * 1e12
+    if pipe == "mma_sync_f16":
+        return device.peak_mma_f16_tflops * 1e12
+    raise ValueError(f"unknown matmul pipe {pipe!r}")
 
 
-def _compute_ms(
-    plan: KernelPlan,
-    executed_pairs: int,
-    executed_flops: int,
-    shared_lane_ops: int,
-    device: DeviceProfile,
-) -> float:
+def _compute_ms(plan: KernelPlan, terms: CostTerms, device: DeviceProfile) -> float:
+    executed_flops = 4 * plan.problem.head_dim * plan.problem.batch_heads * terms.executed_pairs
     peak = device.peak_fp32_tflops * 1e12
-    bh = plan.problem.batch_heads
-    exps = bh * executed_pairs * EXPS_PER_PAIR[plan.family]
-    if plan.family == "tiled":
-        exps += bh * plan.problem.seq_len * plan.tile_count  # the per-tile correction
-    other_ops = max(plan.non_matmul_flops - exps, 0) + shared_lane_ops
+    other_ops = max(plan.non_matmul_flops - terms.exps, 0) + terms.shared_lane_ops
     # An FFMA is 2 flops per lane-instruction; everything else is 1 op per instruction.
     instruction_rate = peak / 2
     return (
-        _ms(executed_flops, peak)
+        _ms(executed_flops, matmul_rate(terms.matmul_pipe, device))
         + _ms(other_ops, instruction_rate)
-        + _ms(exps, instruction_rate / SFU_SLOWDOWN)
+        + _ms(terms.exps, instruction_rate / SFU_SLOWDOWN)
     )
-
-
-def _shared_traffic(plan: KernelPlan, executed_pairs: int) -> tuple[int, int]:
-    """(bytes through the shared-memory banks, load/store lane-instructions).
-
-    Bytes count broadcasts once per warp (that is what the banks serve); the
-    instructions count per lane, because each one takes an issue slot like an
-    FFMA does. A larger register micro-tile (``rows_per_thread`` x
-    ``keys_per_lane``) needs fewer loads per FFMA: this is what ranks the
-    thread layouts of ``tiled`` plans whose flops and traffic are equal.
-    """
-    d = plan.problem.head_dim
-    bh = plan.problem.batch_heads
-    if plan.family == "scalar_online":
-        # Per attended key a thread loads K (float4s) and V, and reads and
-        # writes each of its head_dim accumulators in shared memory.
-        shared_bytes = 2 * F32_BYTES * d * executed_pairs * bh
-        lane_ops = (d // 4 + d + 2 * d) * executed_pairs * bh
-        return shared_bytes, lane_ops
-    tile = plan.tile_size
-    lanes = plan.threads_per_row
-    rows_per_thread = plan.rows_per_thread
-    keys_per_lane = tile // lanes
-    row_groups_per_warp = 32 // lanes
-    # Per warp and tile: Q and P rows are shared by a row group's lanes, K and V
-    # rows by every row group of the warp; the P stores are all distinct.
-    q_reads = row_groups_per_warp * rows_per_thread * d
-    k_reads = tile * d
-    p_writes = 32 * rows_per_thread * keys_per_lane
-    p_reads = row_groups_per_warp * rows_per_thread * tile
-    v_reads = tile * d
-    per_warp = q_reads + k_reads + p_writes + p_reads + v_reads
-    per_block = per_warp * (plan.threads // 32) + 2 * tile * d  # + the K/V tile stores
-    # Per thread and tile, in instructions: float4 loads of Q, K, P and V
-    # columns, scalar P stores; per block the K/V tile copy (load + store).
-    per_thread = (
-        rows_per_thread * d // 4
-        + keys_per_lane * d // 4
-        + rows_per_thread * keys_per_lane
-        + rows_per_thread * tile // 4
-        + tile * d // (4 * lanes)
-    )
-    per_block_ops = per_thread * plan.threads + 2 * 2 * tile * d // 4
-    # Blocks x tiles each block visits = executed pairs / (rows_per_block x tile).
-    block_tiles = executed_pairs // (plan.rows_per_block * tile)
-    return F32_BYTES * per_block * block_tiles * bh, per_block_ops * block_tiles * bh
 
 
 def _slowdown(plan: KernelPlan, device: DeviceProfile) -> tuple[float, float]:
@@ -281,10 +216,7 @@ def latency_efficiency(plan: KernelPlan, resident_blocks: int, device: DevicePro
     ``LATENCY_CYCLES`` and ``MAX_ILP`` were picked from a small grid on those
     three: revisit them as recordings of other shapes arrive.
     """
-    if plan.family == "tiled":
-        ilp = plan.rows_per_thread * (plan.tile_size // plan.threads_per_row)
-    else:
-        ilp = SCALAR_ILP
+    ilp = plan.kernel_family.cost_terms(plan).ilp
     warps = resident_blocks * plan.threads / device.warp_size
     in_flight = warps / WARP_SCHEDULERS_PER_SM * min(ilp, MAX_ILP)
     return min(1.0, in_flight / LATENCY_CYCLES)

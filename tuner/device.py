@@ -27,6 +27,8 @@ class DeviceProfile:
     warp_size: int
     l2_bytes: int
     peak_fp32_tflops: float
+    #: dense bf16/fp16 mma.sync (fp32 accumulate) rate of the tensor cores
+    peak_mma_f16_tflops: float
     dram_bandwidth_gbps: float
     shared_bandwidth_bytes_per_clock_per_sm: int
     clock_ghz: float
@@ -44,6 +46,10 @@ class DeviceProfile:
 # units of 256 per warp. FP32 peak: 132 SMs * 128 FFMA lanes * 2 * 1.98 GHz
 # = 67 TFLOP/s (datasheet). Bandwidth: 4.8 TB/s datasheet HBM3e; a
 # device-to-device copy measured 4.3 TB/s, which is the ceiling used here.
+# Tensor cores: the datasheet's 990 TFLOP/s dense bf16/fp16 is wgmma's
+# (sm_90a warpgroup MMA); mma.sync m16n8k16 with fp32 accumulate reaches
+# roughly 2/3 of it, so 660e12 FLOP/s is the rate a family running mma.sync
+# is held to. Shared memory: 128 B per clock per SM (32 banks x 4 B).
 H200 = DeviceProfile(
     name="NVIDIA H200",
     compute_capability=(9, 0),
@@ -61,6 +67,7 @@ H200 = DeviceProfile(
     warp_size=32,
     l2_bytes=60 * 1024 * 1024,
     peak_fp32_tflops=67.0,
+    peak_mma_f16_tflops=660.0,
     dram_bandwidth_gbps=4300.0,
     shared_bandwidth_bytes_per_clock_per_sm=128,
     clock_ghz=1.98,

@@ -1,8 +1,9 @@
 """PNG plots of a study, written into the run directory.
 
 * ``search_history.png``: each timed trial's median, and the running best.
-* ``tile_rows_heatmap.png``: the best time per (tile_size, rows_per_block) of
-  the tiled family (the two tunables that set reuse and shared memory).
+* ``tile_rows_heatmap.png``: the best time per cell of two tunables (the
+  family's ``heatmap_axes``, those that set reuse and shared memory) of the
+  family with the most timed trials among those that name them.
 * ``predicted_vs_measured.png``: the cost model's prediction against the
   timing, log-log, with the line of perfect prediction and Spearman's rho.
 
@@ -20,6 +21,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tuner.planner.families import family_named, family_names
 from tuner.report import model_rank_correlation
 from tuner.trials import SearchResult, TrialOutcome
 
@@ -83,12 +85,31 @@ def history_figure(result: SearchResult, title: str) -> Figure | None:
     return figure
 
 
+def _heatmap_family(result: SearchResult) -> tuple[str, tuple[str, str]] | None:
+    """The family with the most timed trials among those that name heatmap axes."""
+    counts: dict[str, int] = {}
+    for trial in result.ranked():
+        name = str(trial.params.get("family", ""))
+        if name in family_names() and family_named(name).heatmap_axes is not None:
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return None
+    name = max(counts, key=lambda family: counts[family])
+    axes = family_named(name).heatmap_axes
+    assert axes is not None
+    return name, axes
+
+
 def heatmap_figure(result: SearchResult, title: str) -> Figure | None:
+    chosen = _heatmap_family(result)
+    if chosen is None:
+        return None
+    family, (x_name, y_name) = chosen
     best: dict[tuple[int, int], float] = {}
     for trial in result.ranked():
-        if trial.params.get("family") != "tiled":
+        if trial.params.get("family") != family:
             continue
-        cell = (int(trial.params["tile_size"]), int(trial.params["rows_per_block"]))
+        cell = (int(trial.params[x_name]), int(trial.params[y_name]))
         best[cell] = min(best.get(cell, math.inf), trial.median_ms)  # type: ignore[arg-type]
     if not best:
         return None
@@ -107,9 +128,9 @@ def heatmap_figure(result: SearchResult, title: str) -> Figure | None:
                 # viridis_r: fast cells are light, slow ones dark.
                 color = "black" if value < middle else "white"
                 axes.text(x, y, f"{value:.3g}", ha="center", va="center", color=color, fontsize=8)
-    axes.set_xlabel("tile_size")
-    axes.set_ylabel("rows_per_block")
-    axes.set_title(f"best {_kind(result.ranked())} ms per cell (tiled): {title}")
+    axes.set_xlabel(x_name)
+    axes.set_ylabel(y_name)
+    axes.set_title(f"best {_kind(result.ranked())} ms per cell ({family}): {title}")
     figure.colorbar(image, ax=axes, label="ms")
     return figure
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_DTYPES = ("float32",)
-DTYPE_BYTES = {"float32": 4}
+#: element types of q, k, v and out; the half types are 2-byte elements
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
     """One attention shape: ``out = softmax(q k^T / sqrt(head_dim)) v`` per (batch, head).
 
-    Tensors are contiguous ``[batch, heads, seq_len, head_dim]``.
+    Tensors are contiguous ``[batch, heads, seq_len, head_dim]`` of ``dtype``.
+    ``dtype`` defaults to float32 here (the seed's type; the Hydra entry's default
+    is bfloat16), so code that builds problems by hand keeps its meaning.
     """
 
     seq_len: int

@@ -49,8 +49,7 @@ plots. Pruned trials and, ranked below them, constraint-violating ones are
 what TPE puts in its "bad" group, so it learns to stay away.
 
 Each trial's user attributes: ``outcome``, ``plan_key``, ``params`` (``family``,
-``threads``, ``tile_size``, ``rows_per_block``, ``split_target``,
-``sequence_splits``), ``predicted`` (``ms``, ``read_bytes``,
+the family's tunables, and the plan's ``sequence_splits``), ``predicted`` (``ms``, ``read_bytes``,
 ``write_bytes``), ``measured``, ``median_ms``, ``timing`` (``spread_ms``,
 ``tflops``, ``gbps``, ``max_abs_error``), ``failure``, ``detail``, and
 ``duplicate_of``, ``enqueued`` or ``retry_of`` (the trial of a dead worker that
@@ -83,7 +82,7 @@ from tuner.planner.tunable import KernelPlan
 from tuner.problem import Problem
 from tuner.study_space import Encoding, StudySpace
 from tuner.study_storage import HEARTBEAT_INTERVAL_S, open_storage, storage_url
-from tuner.trials import PARAM_NAMES, SearchResult, TrialOutcome
+from tuner.trials import SearchResult, TrialOutcome
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "SearchResult", "open_storage", "run_search"]
 
@@ -239,7 +238,7 @@ class _Search:
         if resolved.plan is None:
             attrs: dict[str, Any] = {"plan_key": resolved.key, "outcome": "infeasible"}
             if not isinstance(point, str):
-                attrs["params"] = _params(point.as_dict())
+                attrs["params"] = point.as_dict()
             return self._prune(trial, attrs, "INFEASIBLE", resolved.reason)
         plan = resolved.plan
         attrs = self._plan_attrs(plan) | {"retry_of": retry_of}
@@ -322,7 +321,7 @@ class _Search:
 
     def _plan_attrs(self, plan: KernelPlan) -> dict[str, Any]:
         attrs: dict[str, Any] = {"plan_key": plan.key()}
-        attrs["params"] = _params(plan.params.as_dict()) | {"sequence_splits": plan.sequence_splits}
+        attrs["params"] = plan.params.as_dict() | {"sequence_splits": plan.sequence_splits}
         prediction = self.predictions.get(plan.key())
         if prediction is not None:
             attrs["predicted"] = {
@@ -413,9 +412,6 @@ def _write(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
         if value is not None and value != "" and value != {}:
             trial.set_user_attr(name, value)
 
-
-def _params(params: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: params[name] for name in PARAM_NAMES if name in params}
 
 
 def _measurement_attrs(measurement: Measurement) -> dict[str, Any]:

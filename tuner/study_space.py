@@ -2,22 +2,22 @@
 
 Why this shape. The sampler proposes *parameters*, the planner judges *plans*:
 
-* ``structured`` (TPE): one categorical per tunable (``family``, then
-  ``scalar_threads`` for ``scalar_online``, or ``tile_size``,
-  ``rows_per_block``, ``threads`` and ``split_target`` for ``tiled``), each over
-  the values that occur among the feasible candidates. TPE then learns which
-  values of which tunable are fast, jointly (multivariate, grouped by
-  family), which a single categorical over hundreds of plan names could not.
-  A proposed point is planned and looked up by ``KernelPlan.key()``: several
-  split targets can give the same plan (an alias, which is fine); a point the
-  planner or the compiler rejects comes back with their reason, so the search
-  can end that trial without touching the backend.
+* ``structured`` (TPE): a categorical ``family``, then one categorical per
+  tunable of that family (named by ``KernelFamily.sampler_name``), each over
+  the values that occur among the family's feasible candidates. TPE then
+  learns which values of which tunable are fast, jointly (multivariate,
+  grouped by family), which a single categorical over hundreds of plan names
+  could not. A proposed point is planned and looked up by ``KernelPlan.key()``:
+  several parameter points can give the same plan (an alias, which is fine); a
+  point the planner or the compiler rejects comes back with their reason, so
+  the search can end that trial without touching the backend.
 * ``candidate`` (grid, random): one categorical ``candidate`` over the
   feasible plan keys, so ``GridSampler`` walks exactly the feasible plans, each
   once, instead of a Cartesian product that is mostly aliases and rejects, and
   random search draws uniformly from the plans.
 
-Either way only plans in the feasible table ever reach a backend.
+Either way only plans in the feasible table ever reach a backend. No family
+is named here: the families' tunables are read off the registry.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ import optuna
 
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
-from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
+from tuner.planner.families import family_named
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan
+from tuner.planner.tunable import plan_kernel
 from tuner.problem import Problem
 
 Encoding = Literal["structured", "candidate"]
-_TILED_AXES = ("tile_size", "rows_per_block", "threads", "split_target")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +68,19 @@ class StudySpace:
         self.by_key = {plan.key(): plan for plan in self.feasible}
         self.rejected = {plan.key(): plan for plan in rejected}
         self.families = sorted({plan.family for plan in self.feasible})
-        self.scalar_threads = sorted(
-            {p.threads for p in self.feasible if p.family == "scalar_online"}
-        )
-        tiled = [p.params for p in self.feasible if p.family == "tiled"]
-        self.tiled_values = {
-            axis: sorted({getattr(params, axis) for params in tiled}) for axis in _TILED_AXES
-        }
+        #: family -> (sampler parameter name, tunable name, values among its feasible plans)
+        self.axes: dict[str, list[tuple[str, str, list[int]]]] = {}
+        for name in self.families:
+            family = family_named(name)
+            plans = [plan.params for plan in self.feasible if plan.family == name]
+            self.axes[name] = [
+                (
+                    family.sampler_name(tunable),
+                    tunable.name,
+                    sorted({getattr(params, tunable.name) for params in plans}),
+                )
+                for tunable in family.ordered_tunables()
+            ]
         self.keys = sorted(self.by_key)
 
     # ------------------------------------------------------------------ sampler side
@@ -81,23 +89,21 @@ class StudySpace:
         """Ask ``trial`` for a point: its ``KernelParams`` (structured) or plan key (candidate)."""
         if self.encoding == "candidate":
             return str(trial.suggest_categorical("candidate", self.keys))
-        family = trial.suggest_categorical("family", self.families)
-        if family == "scalar_online":
-            threads = trial.suggest_categorical("scalar_threads", self.scalar_threads)
-            return KernelParams("scalar_online", threads=int(threads))
+        family = str(trial.suggest_categorical("family", self.families))
         values = {
-            axis: int(trial.suggest_categorical(axis, self.tiled_values[axis]))
-            for axis in _TILED_AXES
+            tunable: int(trial.suggest_categorical(sampler_name, choices))
+            for sampler_name, tunable, choices in self.axes[family]
         }
-        return KernelParams("tiled", **values)
+        return KernelParams(family, **values)
 
     def fixed_params(self, plan: KernelPlan) -> dict[str, Any]:
         """The sampler parameters that propose ``plan`` (for ``study.enqueue_trial``)."""
         if self.encoding == "candidate":
             return {"candidate": plan.key()}
-        if plan.family == "scalar_online":
-            return {"family": "scalar_online", "scalar_threads": plan.threads}
-        return {"family": "tiled"} | {axis: getattr(plan.params, axis) for axis in _TILED_AXES}
+        return {"family": plan.family} | {
+            sampler_name: getattr(plan.params, tunable)
+            for sampler_name, tunable, _ in self.axes[plan.family]
+        }
 
     # ------------------------------------------------------------------ planner side
 

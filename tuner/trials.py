@@ -73,14 +73,6 @@ class TrialOutcome:
         )
 
 
-PARAM_NAMES = (
-    "family",
-    "threads",
-    "tile_size",
-    "rows_per_block",
-    "split_target",
-)
-
 
 @dataclass
 class SearchResult:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import build
+from kernels import build, precision
 from kernels.backends.base import Backend, Failure, Measurement
 from kernels.launch import (
     BufferElements,
@@ -94,6 +94,11 @@ class _ProblemState:
     v: Any
     out: Any
     reference: CpuReference
+    #: the pass limit on max|out - ref| (the seed's 1e-3 for float32; FlashAttention's
+    #: rule for the half types, ``kernels.precision``)
+    tolerance: float
+    #: q, k, v as stored on the device (float32, float16, or bfloat16 bit patterns)
+    stored: tuple[np.ndarray, ...] = ()
     partial_o: Any = None
     partial_ml: Any = None
     partial_capacity: BufferElements | None = None
@@ -239,6 +244,12 @@ class PyCudaBackend(Backend):
                 profile,
                 clock_ghz=clock_ghz,
                 peak_fp32_tflops=sm_count * 128 * 2 * clock_ghz / 1e3,
+                # Scaled from the H200's mma.sync rate by SMs x clock (same
+                # tensor-core width per SM assumed).
+                peak_mma_f16_tflops=base.peak_mma_f16_tflops
+                * sm_count
+                * clock_ghz
+                / (base.sm_count * base.clock_ghz),
                 dram_bandwidth_gbps=bandwidth or base.dram_bandwidth_gbps,
             )
         self._profile = profile
@@ -296,7 +307,8 @@ class PyCudaBackend(Backend):
 
     def inputs(self, problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The host copies of the problem's inputs (q, k, v as ``[batch*heads, seq_len,
-        head_dim]`` float32) that every candidate runs on, so peers can be timed on them too."""
+        head_dim]`` float32: the values of the inputs as rounded to the dtype) that every
+        candidate runs on, so peers can be timed on them too."""
         with self.active() as drv:
             state = self._problem_state(drv, problem)
         return state.host_q, state.host_k, state.host_v
@@ -353,8 +365,10 @@ class PyCudaBackend(Backend):
     ) -> Measurement:
         state, run = self._prepare(drv, plan, compiled)
         output = self._run_once(drv, state, run)
-        parity = state.reference.check(output, self.tolerance)
-        if parity.ok and not full_check(plan.problem):
+        parity = state.reference.check(output, state.tolerance)
+        # The scalar kernel (float32) is the GPU reference of large float32 problems;
+        # half problems are checked on the CPU reference's sampled rows only.
+        if parity.ok and not full_check(plan.problem) and plan.problem.dtype == "float32":
             against_scalar = compare(
                 output, self._scalar_output(drv, state), self.tolerance, "the scalar kernel"
             )
@@ -386,20 +400,28 @@ class PyCudaBackend(Backend):
         if self._state is not None and self._state.problem == problem:
             return self._state
         self._state = None  # free the previous problem's buffers first
-        shape = (problem.batch_heads, problem.seq_len, problem.head_dim)
         # Seeded per problem: reruns see the same inputs, other problems other ones.
         identity = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
         rng = np.random.default_rng([self.seed, *identity, int(problem.causal)])
-        host = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+        # Random normals rounded to the dtype; the reference sees the rounded values.
+        stored, host = precision.random_inputs(problem, rng)
         try:
-            q, k, v = (drv.to_device(array) for array in host)
-            out = drv.mem_alloc(host[0].nbytes)
+            q, k, v = (drv.to_device(array) for array in stored)
+            out = drv.mem_alloc(stored[0].nbytes)
         except drv.MemoryError as error:
             raise BackendError(
                 f"{problem.label()} does not fit in device memory: {error}"
             ) from error
         reference = CpuReference(problem, *host, seed=self.seed)
-        self._state = _ProblemState(problem, *host, q, k, v, out, reference)
+        tolerance = self.tolerance
+        if problem.dtype != "float32":
+            sdpa = precision.sdpa_error(
+                problem, *host, reference.expected, reference.heads, reference.rows
+            )
+            tolerance = precision.tolerance_for(problem, sdpa)
+        self._state = _ProblemState(
+            problem, *host, q, k, v, out, reference, tolerance, tuple(stored)
+        )
         return self._state
 
     def _buffers(self, drv: Any, state: _ProblemState, plan: KernelPlan) -> DeviceBuffers:
@@ -408,8 +430,8 @@ class PyCudaBackend(Backend):
         if needed.partial_o and (capacity is None or capacity.partial_o < needed.partial_o):
             state.partial_o = state.partial_ml = state.partial_capacity = None
             try:
-                state.partial_o = drv.mem_alloc(needed.partial_o * 4)
-                state.partial_ml = drv.mem_alloc(needed.partial_ml * 4)
+                state.partial_o = drv.mem_alloc(needed.partial_o_bytes)
+                state.partial_ml = drv.mem_alloc(needed.partial_ml_bytes)
             except drv.MemoryError as error:
                 raise _LaunchRefused(
                     f"split buffers do not fit in device memory: {error}"
@@ -438,7 +460,7 @@ class PyCudaBackend(Backend):
                 raise _LaunchRefused(f"cubin does not load: {error}") from error
             self._modules[compiled.key] = module
         return {
-            name: module.get_function(name) for name in build.ENTRY_FUNCTIONS[compiled.spec.family]
+            name: module.get_function(name) for name in build.entry_functions(compiled.spec.family)
         }
 
     def _launch(
@@ -464,21 +486,27 @@ class PyCudaBackend(Backend):
     def _run_once(self, drv: Any, state: _ProblemState, run: Callable[[], None]) -> np.ndarray:
         """One run on NaN-poisoned outputs (and partials); the output copied back."""
         elements = state.host_q.size
+        dtype = state.problem.dtype
         try:
-            drv.memset_d32(state.out, NAN_BITS, elements)
+            if dtype == "float32":
+                drv.memset_d32(state.out, NAN_BITS, elements)
+            else:
+                drv.memset_d16(state.out, precision.NAN_PATTERN[dtype], elements)
             if state.partial_capacity is not None:
                 drv.memset_d32(state.partial_o, NAN_BITS, state.partial_capacity.partial_o)
                 drv.memset_d32(state.partial_ml, NAN_BITS, state.partial_capacity.partial_ml)
         except drv.Error as error:
             raise _DeviceFault(f"poisoning the output: {error}") from error
         run()
-        output = np.empty_like(state.host_q)
+        output = np.empty(state.host_q.shape, dtype=precision.storage_type(dtype))
         try:
             drv.Context.synchronize()
             drv.memcpy_dtoh(output, state.out)
         except drv.Error as error:
             raise _DeviceFault(str(error)) from error
-        return output
+        if dtype == "float32":
+            return output
+        return precision.from_storage(output, dtype)
 
     def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray:
         """The scalar kernel's output on this problem's inputs: the GPU reference, computed once."""

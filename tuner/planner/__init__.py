@@ -1,11 +1,15 @@
 """The planner: pure functions from a problem to kernel plans.
 
-``seed`` reproduces the Rust seed planner exactly; ``tunable`` generalises its
-partition to the kernels that are launched; ``space`` enumerates candidates.
+``seed`` reproduces the Rust seed planner exactly; ``families`` holds one
+planning module per kernel family, registered in one place; ``tunable``
+plans a candidate through its family; ``space`` enumerates candidates.
 Imports no GPU, database or Optuna code (a test checks).
 """
 
 from tuner.planner.errors import PlanError
+from tuner.planner.families import KernelFamily, family_named, family_names, registered
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan, Launch, ResourceUsage
 from tuner.planner.seed import (
     FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS,
     FLASH_ATTENTION_SEQUENCE_PARALLEL_TARGET_TILES_PER_SPLIT,
@@ -17,17 +21,9 @@ from tuner.planner.seed import (
     plan_flash_attention_tiled,
 )
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.planner.tunable import (
-    FAMILIES,
-    KernelParams,
-    KernelPlan,
-    Launch,
-    ResourceUsage,
-    plan_kernel,
-)
+from tuner.planner.tunable import plan_kernel
 
 __all__ = [
-    "FAMILIES",
     "FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS",
     "FLASH_ATTENTION_SEQUENCE_PARALLEL_TARGET_TILES_PER_SPLIT",
     "CandidateSpace",
@@ -35,6 +31,7 @@ __all__ = [
     "FlashAttentionKernelKind",
     "FlashAttentionMemoryTraffic",
     "FlashAttentionWorkPlan",
+    "KernelFamily",
     "KernelParams",
     "KernelPlan",
     "Launch",
@@ -42,7 +39,10 @@ __all__ = [
     "ResourceUsage",
     "SpaceAxes",
     "candidate_space",
+    "family_named",
+    "family_names",
     "plan_flash_attention_scalar",
     "plan_flash_attention_tiled",
     "plan_kernel",
+    "registered",
 ]

@@ -1,37 +1,82 @@
 """The candidate space of a problem: every parameter combination, planned and judged.
 
-Split targets that give the same number of splits give the same kernel and
+Each registered family enumerates its own tunables' values (narrowed by the
+search settings, ``SpaceAxes``). Parameters that give the same plan key (split
+targets that lead to the same number of splits) give the same kernel and
 launch, so only the first of each is kept: the space holds distinct plans.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tuner.device import DeviceProfile
-from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
+from tuner.planner.families import family_named, family_names
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan
+from tuner.planner.tunable import plan_kernel
 from tuner.problem import Problem
 
-DEFAULT_TILE_SIZES: tuple[int, ...] = (16, 32, 64, 128)
-DEFAULT_ROWS_PER_BLOCK: tuple[int, ...] = (16, 32, 64, 128)
-DEFAULT_TILED_THREADS: tuple[int, ...] = (64, 128, 256, 512)
-DEFAULT_SCALAR_THREADS: tuple[int, ...] = (64, 128, 256)
-#: tiles per split; the largest values mean "no split" for any sequence up to 2**20 keys.
-DEFAULT_SPLIT_TARGETS: tuple[int, ...] = tuple(2**k for k in range(0, 17))
 
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class SpaceAxes:
-    """The values each tunable may take."""
+    """Which families to plan and, per tunable axis, the values it may take.
 
-    tile_sizes: Sequence[int] = DEFAULT_TILE_SIZES
-    rows_per_block: Sequence[int] = DEFAULT_ROWS_PER_BLOCK
-    tiled_threads: Sequence[int] = DEFAULT_TILED_THREADS
-    scalar_threads: Sequence[int] = DEFAULT_SCALAR_THREADS
-    split_targets: Sequence[int] = DEFAULT_SPLIT_TARGETS
-    families: Sequence[str] = ("scalar_online", "tiled")
+    ``families=None`` means every registered family. Axes are named by the
+    families' ``Tunable.axis`` (``SpaceAxes(tile_sizes=(32,))``); an axis not
+    given, or given with its family's own values, takes the family's values, so
+    equal settings compare equal however they were spelled.
+    """
+
+    families: tuple[str, ...] | None
+    overrides: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def __init__(
+        self,
+        families: Sequence[str] | None = None,
+        values: Mapping[str, Sequence[int]] | None = None,
+        **axes: Sequence[int],
+    ) -> None:
+        own = _axis_defaults()
+        given = dict(values or {}) | axes
+        unknown = sorted(set(given) - set(own))
+        if unknown:
+            raise ValueError(
+                f"unknown tunable axes {', '.join(unknown)}; known: {', '.join(sorted(own))}"
+            )
+        overrides = tuple(
+            sorted(
+                (name, tuple(int(v) for v in value))
+                for name, value in given.items()
+                if tuple(value) != own[name]
+            )
+        )
+        object.__setattr__(self, "families", None if families is None else tuple(families))
+        object.__setattr__(self, "overrides", overrides)
+
+    def family_names(self) -> tuple[str, ...]:
+        return family_names() if self.families is None else self.families
+
+    def values(self) -> dict[str, tuple[int, ...]]:
+        """Every axis of the registered families with the values it takes."""
+        return _axis_defaults() | dict(self.overrides)
+
+    def __getattr__(self, name: str) -> tuple[int, ...]:
+        values = object.__getattribute__(self, "values")()
+        if name in values:
+            return values[name]
+        raise AttributeError(f"no tunable axis {name!r}")
+
+
+def _axis_defaults() -> dict[str, tuple[int, ...]]:
+    axes: dict[str, tuple[int, ...]] = {}
+    for name in family_names():
+        family = family_named(name)
+        for tunable in family.tunables:
+            axes[family.axis_name(tunable)] = tunable.values
+    return axes
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,26 +94,15 @@ def _reason_kind(reason: str) -> str:
     return " ".join(words[:8])
 
 
-def enumerate_params(problem: Problem, axes: SpaceAxes = SpaceAxes()) -> Iterable[KernelParams]:
-    if "scalar_online" in axes.families:
-        for threads in axes.scalar_threads:
-            yield KernelParams("scalar_online", threads=threads)
-    if "tiled" in axes.families:
-        for tile in axes.tile_sizes:
-            for rows in axes.rows_per_block:
-                for threads in axes.tiled_threads:
-                    for target in axes.split_targets:
-                        yield KernelParams(
-                            "tiled",
-                            threads=threads,
-                            tile_size=tile,
-                            rows_per_block=rows,
-                            split_target=target,
-                        )
+def enumerate_params(problem: Problem, axes: SpaceAxes | None = None) -> Iterable[KernelParams]:
+    axes = axes or SpaceAxes()
+    values = axes.values()
+    for name in axes.family_names():
+        yield from family_named(name).enumerate_params(problem, values)
 
 
 def candidate_space(
-    problem: Problem, device: DeviceProfile, axes: SpaceAxes = SpaceAxes()
+    problem: Problem, device: DeviceProfile, axes: SpaceAxes | None = None
 ) -> CandidateSpace:
     feasible: list[KernelPlan] = []
     rejected: list[KernelPlan] = []

@@ -1,0 +1,255 @@
+"""What a kernel family is: one description, from which planning, build and launch follow.
+
+Like CUTLASS's and FlashAttention-3's kernel traits, a family says everything
+about its kernel in one place: its tunables and their value ranges, the
+dtypes it supports, how a candidate is planned and judged (one-line reasons),
+its compile defines and plan key, its source file, entry functions, arch and
+extra nvcc flags, the buffers and kernel arguments of a launch, and its
+cost-model terms. Nothing else in the project names a family: planner, search
+space, cost model, build, backends, reference emulation, registry and plots
+ask the families registered in ``tuner.planner.families``.
+
+Pure: stdlib, numpy scalars and the planner's own types.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from tuner.device import DeviceProfile
+from tuner.planner.errors import PlanError
+from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.launches import BufferElements, DeviceBuffers, KernelLaunch
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan
+from tuner.problem import Problem
+
+#: the pipes a family's matmul flops can run on; the cost model knows each one's rate
+#: (``tuner.costmodel.matmul_rate``): FP32 FFMA on the SIMT lanes, or dense
+#: bf16/fp16 ``mma.sync`` with fp32 accumulate on the tensor cores.
+MatmulPipe = Literal["ffma", "mma_sync_f16"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tunable:
+    """One tunable: its name (a compile define or launch choice), default and searched values.
+
+    ``axis`` is the name under which the search settings can narrow it
+    (``search.<axis>=[...]`` for the built-in families' historical keys, or
+    ``search.axes.<axis>``); it defaults to ``<family>_<name>``.
+    """
+
+    name: str
+    default: int
+    values: tuple[int, ...]
+    axis: str = ""
+    #: the Optuna parameter the sampler proposes it as; default ``<family>.<name>``
+    sampler: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """A family's share of the cost model: what its kernel executes besides the useful work.
+
+    ``executed_pairs``: (query, key) score pairs computed per (batch, head),
+    padding included; the matmul flops are ``4 * head_dim`` per pair on
+    ``matmul_pipe``. ``exps``: exp2 on the SFU (whole problem). The other
+    non-matmul flops (``KernelPlan.non_matmul_flops - exps``) and
+    ``shared_lane_ops`` issue at one op per lane-instruction.
+    ``shared_bytes``: bytes through the shared-memory banks. ``ilp``:
+    independent instructions per warp that hide latency.
+    """
+
+    matmul_pipe: MatmulPipe
+    executed_pairs: int
+    exps: int
+    shared_bytes: int
+    shared_lane_ops: int
+    ilp: int
+
+
+@dataclass(frozen=True, slots=True)
+class OnlinePartition:
+    """The online-softmax partition a kernel follows, for the numpy emulation."""
+
+    tile_size: int
+    keys_per_split: int
+    rows_per_block: int
+    splits: int
+
+
+class KernelFamily(ABC):
+    """One kernel family. Subclass, fill the class attributes, implement the abstract methods,
+    and register an instance in ``tuner/planner/families/__init__.py``."""
+
+    #: the family's name: plan keys, registry rows and the ``search.families`` setting use it
+    name: ClassVar[str]
+    #: the CUDA source, a file name under ``kernels/``
+    source: ClassVar[str]
+    #: entry functions in the cubin; the first is the one whose resources judge the plan
+    entry_functions: ClassVar[tuple[str, ...]]
+    #: problem dtypes the kernel reads and writes
+    dtypes: ClassVar[tuple[str, ...]]
+    #: tunables in the order ``KernelParams`` takes them positionally
+    tunables: ClassVar[tuple[Tunable, ...]]
+    #: the order candidates are enumerated in (outermost first); default: ``tunables``
+    enumeration_order: ClassVar[tuple[str, ...]] = ()
+    #: names stored params may carry that the family no longer has (ignored when read)
+    retired_tunables: ClassVar[frozenset[str]] = frozenset()
+    #: nvcc target; None compiles for the device's own arch (``sm_90``); "sm_90a" pins it
+    arch: ClassVar[str | None] = None
+    #: nvcc flags beyond the build's own
+    nvcc_flags: ClassVar[tuple[str, ...]] = ()
+    #: two tunables (x, y) the results heatmap plots the best time over, or None
+    heatmap_axes: ClassVar[tuple[str, str] | None] = None
+    #: float32 statistics per row and split in the ``partial_ml`` scratch: 2 for a
+    #: (max, sum) pair, 1 for a log-sum-exp
+    partial_stats_per_row: ClassVar[int] = 2
+
+    # ------------------------------------------------------------------ candidates
+
+    def tunable(self, name: str) -> Tunable:
+        for tunable in self.tunables:
+            if tunable.name == name:
+                return tunable
+        raise PlanError(f"{self.name} has no tunable {name!r}")
+
+    def axis_name(self, tunable: Tunable) -> str:
+        return tunable.axis or f"{self.name}_{tunable.name}"
+
+    def sampler_name(self, tunable: Tunable) -> str:
+        return tunable.sampler or f"{self.name}.{tunable.name}"
+
+    def ordered_tunables(self) -> tuple[Tunable, ...]:
+        """The tunables in enumeration order (the order the sampler proposes them, too)."""
+        order = self.enumeration_order or tuple(t.name for t in self.tunables)
+        return tuple(self.tunable(name) for name in order)
+
+    def enumerate_params(
+        self, problem: Problem, values: Mapping[str, Sequence[int]]
+    ) -> Iterable[KernelParams]:
+        """Every combination of the tunables' values (``values``: axis -> values, the
+        search settings' narrowing; a tunable without an entry takes its own values)."""
+        order = self.enumeration_order or tuple(t.name for t in self.tunables)
+        choices = [
+            tuple(values.get(self.axis_name(self.tunable(name)), self.tunable(name).values))
+            for name in order
+        ]
+        for combination in itertools.product(*choices):
+            yield KernelParams(self.name, **dict(zip(order, combination, strict=True)))
+
+    # ------------------------------------------------------------------ planning
+
+    @abstractmethod
+    def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
+        """The plan of one candidate, feasible or with a one-line reason. ``PlanError`` only
+        for parameters no problem could take (a zero tile)."""
+
+    @abstractmethod
+    def compile_defines(self, plan: KernelPlan) -> dict[str, int]:
+        """The compile-time constants of the plan's kernel."""
+
+    @abstractmethod
+    def key(self, plan: KernelPlan) -> str:
+        """A name that identifies the candidate within one problem; starts with the family."""
+
+    def arch_for(self, device_arch: str) -> str:
+        return self.arch or device_arch
+
+    # ------------------------------------------------------------------ launch
+
+    def buffer_elements(self, plan: KernelPlan) -> BufferElements:
+        """q, k, v, out in the problem's dtype; float32 split scratch when splits > 1."""
+        p = plan.problem
+        tensor = p.batch_heads * p.seq_len * p.head_dim
+        if plan.sequence_splits == 1:
+            return BufferElements(tensor, 0, 0, p.element_bytes)
+        rows = p.batch_heads * plan.sequence_splits * p.seq_len
+        return BufferElements(
+            tensor, rows * p.head_dim, rows * self.partial_stats_per_row, p.element_bytes
+        )
+
+    @abstractmethod
+    def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
+        """The launches of one run of the plan, in order, with their arguments."""
+
+    # ------------------------------------------------------------------ models
+
+    @abstractmethod
+    def cost_terms(self, plan: KernelPlan) -> CostTerms:
+        """The family's terms of the cost model (see ``CostTerms``)."""
+
+    def online_partition(self, plan: KernelPlan) -> OnlinePartition:
+        return OnlinePartition(
+            plan.tile_size, plan.keys_per_sequence_split, plan.rows_per_block, plan.sequence_splits
+        )
+
+
+# ---------------------------------------------------------------------- shared rules
+
+
+def checked_u32(value: int, what: str) -> int:
+    if value > U32_MAX:
+        raise PlanError(f"Fix: {what} overflows u32: {value} > {U32_MAX}.")
+    return value
+
+
+def launch_verdict(threads: int, shared_bytes: int, device: DeviceProfile) -> str:
+    """Thread count and shared memory against the device's block limits ("" when fine)."""
+    if threads <= 0 or threads % device.warp_size:
+        return f"threads={threads} is not a positive multiple of {device.warp_size}"
+    if threads > device.max_threads_per_block:
+        return f"threads={threads} exceeds the {device.max_threads_per_block}-thread block limit"
+    if shared_bytes > device.max_shared_memory_per_block_optin:
+        return (
+            f"shared memory {shared_bytes} B exceeds the device's per-block opt-in limit "
+            f"{device.max_shared_memory_per_block_optin} B"
+        )
+    return ""
+
+
+def larger_than_needed(size: int, seq_len: int, smallest: int) -> bool:
+    """A size is wasteful when half of it already covers the sequence.
+
+    ``smallest`` keeps the smallest useful size feasible for tiny sequences,
+    so every problem has at least one candidate of each family.
+    """
+    return size // 2 >= seq_len and size // 2 >= smallest
+
+
+def key_rows_read_per_head(n: int, rows_per_block: int, causal: bool) -> int:
+    """Key rows all blocks of one head read: once per block of query rows.
+
+    This is the reuse ``rows_per_block`` buys: K and V cross the memory bus
+    once per block, not once per query row.
+    """
+    blocks = div_ceil(n, rows_per_block)
+    if not causal:
+        return blocks * n
+    # Block b attends keys [0, min(n, (b+1)*rows_per_block)): the first `full`
+    # blocks end inside the sequence, the rest (at most one) read all n keys.
+    full = n // rows_per_block
+    return rows_per_block * full * (full + 1) // 2 + (blocks - full) * n
+
+
+def executed_pairs(plan: KernelPlan, rows: int) -> int:
+    """(query, key) pairs whose scores the kernel computes, per (batch, head).
+
+    Query rows are padded to whole blocks of ``rows`` and keys to whole tiles
+    (masked scores are computed, then discarded). Causal blocks stop at their
+    last row's tile: block ``b`` of ``R`` rows computes about ``(b + 1) R + T / 2``
+    keys; the closed form avoids a loop over blocks for long sequences.
+    """
+    n = plan.problem.seq_len
+    tile = plan.tile_size
+    row_blocks = -(-n // rows)
+    padded_rows = row_blocks * rows
+    padded_keys = plan.tile_count * tile
+    if not plan.problem.causal:
+        return padded_rows * padded_keys
+    causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * tile // 2)
+    return min(causal, padded_rows * padded_keys)

@@ -1,0 +1,104 @@
+"""What a plan launches, as values: buffer sizes, launch geometry and kernel arguments.
+
+Pure (numpy scalars only, no CUDA). Each family builds its launches from these
+(``KernelFamily.launches``); the PyCUDA backend allocates what
+``BufferElements`` says and launches exactly what the family returns, so tests
+check both on a machine without a GPU. Argument types follow the kernels'
+signatures: pointers as ``np.uintp``, ints as ``np.int32``, floats as ``np.float32``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tuner.planner.plan import Launch
+
+#: dynamic shared memory a kernel may use without opting in
+#: (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES); the CUDA default on every arch.
+DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024
+#: split scratch is float32 whatever the problem's dtype: partials are accumulators
+SCRATCH_BYTES = 4
+
+KernelArgument = np.uintp | np.int32 | np.float32
+
+
+@dataclass(frozen=True, slots=True)
+class BufferElements:
+    """Elements of each device buffer a plan needs.
+
+    ``tensor`` elements of ``element_bytes`` each (the problem's dtype) for each
+    of q, k, v and out; the split scratch is float32: ``partial_o`` accumulators
+    and ``partial_ml`` per-row statistics (a (max, sum) pair per row for one
+    family, one log-sum-exp per row for another: the family says how many).
+    """
+
+    tensor: int
+    partial_o: int
+    partial_ml: int
+    element_bytes: int = 4
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.tensor * self.element_bytes
+
+    @property
+    def partial_o_bytes(self) -> int:
+        return self.partial_o * SCRATCH_BYTES
+
+    @property
+    def partial_ml_bytes(self) -> int:
+        return self.partial_ml * SCRATCH_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBuffers:
+    """Device addresses of the buffers (0 for a partial buffer a plan does not use)."""
+
+    q: int
+    k: int
+    v: int
+    out: int
+    partial_o: int = 0
+    partial_ml: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    function: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    args: tuple[KernelArgument, ...]
+
+    @property
+    def needs_shared_opt_in(self) -> bool:
+        """Above 48 KiB of dynamic shared memory the launch fails unless the
+        function's maximum is raised first."""
+        return self.shared_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT
+
+
+def kernel_launch(launch: Launch, function: str, args: tuple[KernelArgument, ...]) -> KernelLaunch:
+    return KernelLaunch(function, launch.grid, launch.block, launch.shared_bytes, args)
+
+
+def scale_log2(head_dim: int) -> float:
+    """The kernels' ``scale_log2`` argument: scores in the log2 domain, ``log2(e)/sqrt(d)``."""
+    return math.log2(math.e) / math.sqrt(head_dim)
+
+
+def pointers(buffers: DeviceBuffers) -> tuple[np.uintp, ...]:
+    """q, k, v, out, partial_o, partial_ml as kernel pointer arguments."""
+    return tuple(
+        np.uintp(address)
+        for address in (
+            buffers.q,
+            buffers.k,
+            buffers.v,
+            buffers.out,
+            buffers.partial_o,
+            buffers.partial_ml,
+        )
+    )

@@ -1,0 +1,85 @@
+"""The tunables of one candidate: a family name and an ordered mapping name -> int.
+
+Which tunables exist, in which order, and their defaults are the family's
+(``tuner.planner.families``), so a new family brings its own (``block_m``,
+``warps``, ``stages`` ...) without touching this type. The value is frozen and
+hashable; ``KernelParams("tiled", 256, 64, 64, 4)`` and keyword forms fill the
+family's tunables in its declared order, missing ones from its defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.planner.errors import PlanError
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class KernelParams:
+    family: str
+    values: tuple[tuple[str, int], ...]
+
+    def __init__(self, family: str, *positional: int, **named: int) -> None:
+        from tuner.planner.families import family_named
+
+        spec = family_named(family)
+        names = [tunable.name for tunable in spec.tunables]
+        if len(positional) > len(names):
+            raise PlanError(
+                f"{family} takes {len(names)} tunables ({', '.join(names)}), "
+                f"got {len(positional)} positional values"
+            )
+        given = dict(zip(names, positional, strict=False))
+        for name, value in named.items():
+            if name not in names:
+                raise PlanError(
+                    f"{family} has no tunable {name!r}; its tunables: {', '.join(names)}"
+                )
+            if name in given:
+                raise PlanError(f"{family}: tunable {name!r} given twice")
+            given[name] = value
+        values = []
+        for tunable in spec.tunables:
+            value = given.get(tunable.name, tunable.default)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlanError(f"{family}: {tunable.name}={value!r} is not an integer")
+            values.append((tunable.name, int(value)))
+        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "values", tuple(values))
+
+    @classmethod
+    def from_stored(cls, family: str, stored: Mapping[str, Any]) -> KernelParams:
+        """Params as the registry or a recording holds them.
+
+        Tunables the family has retired (``KernelFamily.retired_tunables``:
+        rows written before tunables became per-family carry ``tile_size``,
+        ``rows_per_block`` and ``split_target`` for every family) are dropped;
+        any other unknown name is refused with ``PlanError``.
+        """
+        from tuner.planner.families import family_named
+
+        retired = family_named(family).retired_tunables
+        kept = {k: int(v) for k, v in stored.items() if k != "family" and k not in retired}
+        return cls(family, **kept)
+
+    @property
+    def tunables(self) -> dict[str, int]:
+        """Tunable name -> value, in the family's order."""
+        return dict(self.values)
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {"family": self.family, **self.tunables}
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self.values)
+
+    def __getattr__(self, name: str) -> int:
+        # Only reached when normal lookup fails: a tunable by name (params.threads).
+        for key, value in object.__getattribute__(self, "values"):
+            if key == name:
+                return value
+        raise AttributeError(
+            f"{object.__getattribute__(self, 'family')} params have no tunable {name!r}"
+        )
