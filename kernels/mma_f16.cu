@@ -150,7 +150,11 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* gmem
             if (ROWS % ROWS_PER_PASS != 0 && r >= ROWS) break;
             const bool valid = !CHECK_ROWS || r < valid_rows;
             cp_async_16(dst + pass * ROWS_PER_PASS * ROW_STRIDE * (int)sizeof(elem_t),
-                        valid ? src + pass * ROWS_PER_PASS * HEAD_DIM : gmem, valid ? 16 : 0);
+                        valid ? src : gmem, valid ? 16 : 0);
+            // Step the pointer through an opaque register: otherwise the compiler
+            // hoists one 64-bit address per pass out of the key loop and spills them.
+            src += ROWS_PER_PASS * HEAD_DIM;
+            asm volatile("" : "+l"(src));
         }
     } else {
         // HEAD_DIM / 8 does not divide the block (e.g. 96 with 128 threads).

@@ -61,6 +61,7 @@ def families_for(dtype: str) -> tuple[str, ...]:
 for _module in (
     "scalar_online",
     "tiled",
+    "mma_f16",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)
 

@@ -1,0 +1,266 @@
+"""``mma_f16`` (``kernels/mma_f16.cu``): FlashAttention-2 forward on tensor cores, bf16/fp16.
+
+A block of ``warps`` warps owns ``block_m`` query rows of one (batch, head),
+16 or 32 rows a warp (one or two m16 tiles). K and V tiles of ``block_n`` keys
+stream through a ``stages``-deep ``cp.async`` ring in shared memory; S = Q K^T
+and O += P V are ``mma.sync.m16n8k16`` products with fp32 accumulators, P stays
+in registers, and the online softmax runs in fp32 on exp2 with the scale
+folded in. Q's fragments are kept in registers (``q_in_registers=1``) or read
+from shared memory at every k-step (``0``: fewer registers, more ldmatrix).
+Long key ranges split over blocks (``split_target`` tiles a split, the seed's
+rule); their float32 partial outputs and log2-sum-exps are merged by
+``mma_f16_split_merge``. Causal masking is bottom-right aligned.
+
+The shared-memory formula here and the kernel's layout are one contract (see
+the head of ``kernels/mma_f16.cu``): rows of ``head_dim + 8`` 2-byte elements,
+Q's block and ``stages`` (K, V) tile pairs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tuner.device import DeviceProfile
+from tuner.planner.errors import PlanError
+from tuner.planner.families.base import (
+    CostTerms,
+    KernelFamily,
+    Tunable,
+    checked_u32,
+    executed_pairs,
+    key_rows_read_per_head,
+    larger_than_needed,
+    launch_verdict,
+)
+from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.launches import DeviceBuffers, KernelLaunch, kernel_launch, pointers, scale_log2
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
+from tuner.planner.seed import sequence_parallel_splits, split_reduce_scratch_elements
+from tuner.problem import Problem
+
+ELEMENT_BYTES = 2
+F32_BYTES = 4
+#: shared rows carry 8 extra elements (16 bytes): the eight rows one ldmatrix
+#: phase reads then start in eight distinct 16-byte bank groups.
+SHARED_ROW_PAD = 8
+#: mma.sync m16n8k16: rows of an m tile, the k step, and the n8 width
+MMA_M, MMA_K = 16, 16
+#: the largest head_dim whose accumulators fit one thread's registers
+MAX_HEAD_DIM = 256
+#: the CUDA grid's y and z limits (splits, batch x heads)
+GRID_YZ_LIMIT = 65535
+#: threads of the merge kernel's blocks (one group of 4 output elements each)
+MERGE_THREADS = 128
+#: non-matmul work per (query, key) pair: the scaled subtract (FFMA), max, sum,
+#: the pack to 16 bits (half an instruction a value), and the exp2 itself
+NON_MATMUL_FLOPS_PER_PAIR = 5
+#: tiles per split; the largest values mean "no split" for any sequence up to 2**20 keys.
+DEFAULT_SPLIT_TARGETS: tuple[int, ...] = tuple(2**k for k in range(0, 17))
+
+
+def mma_f16_shared_bytes(block_m: int, block_n: int, stages: int, head_dim: int) -> int:
+    """Dynamic shared memory of ``kernels/mma_f16.cu``: Q's block and the K/V ring."""
+    return ELEMENT_BYTES * (head_dim + SHARED_ROW_PAD) * (block_m + 2 * stages * block_n)
+
+
+class MmaF16(KernelFamily):
+    name = "mma_f16"
+    source = "mma_f16.cu"
+    entry_functions = ("mma_f16_attention", "mma_f16_split_merge")
+    dtypes = ("bfloat16", "float16")
+    tunables = (
+        Tunable("block_m", 128, (64, 128, 256)),
+        Tunable("block_n", 64, (32, 48, 64, 128)),
+        Tunable("warps", 4, (4, 8)),
+        Tunable("stages", 2, (2, 3)),
+        Tunable("q_in_registers", 0, (0, 1)),
+        Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
+    )
+    enumeration_order = ("block_m", "block_n", "warps", "stages", "q_in_registers", "split_target")
+    heatmap_axes = ("block_n", "block_m")
+    partial_stats_per_row = 1  # one log2-sum-exp per row and split
+
+    def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
+        n, d, bh = problem.seq_len, problem.head_dim, problem.batch_heads
+        block_m, block_n, warps = params.block_m, params.block_n, params.warps
+        stages, target = params.stages, params.split_target
+        if min(block_m, block_n, warps, stages, target) <= 0:
+            raise PlanError(
+                f"block_m={block_m}, block_n={block_n}, warps={warps}, stages={stages}, "
+                f"split_target={target}: each must be > 0"
+            )
+        threads = warps * device.warp_size
+        tile_count = div_ceil(n, block_n)
+        splits = sequence_parallel_splits(tile_count, target=target)
+        tiles_per_split = div_ceil(tile_count, splits)
+        keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
+        shared = mma_f16_shared_bytes(block_m, block_n, stages, d)
+        rows_per_warp = block_m // warps if block_m % warps == 0 else 0
+        row_blocks = div_ceil(n, block_m)
+
+        reason = ""
+        if problem.dtype not in self.dtypes:
+            reason = f"dtype {problem.dtype} is not one of {', '.join(self.dtypes)}"
+        elif d % MMA_K or d > MAX_HEAD_DIM:
+            reason = f"head_dim={d} is not a multiple of {MMA_K} up to {MAX_HEAD_DIM}"
+        elif rows_per_warp not in (MMA_M, 2 * MMA_M):
+            reason = f"block_m={block_m} over {warps} warps is not 16 or 32 rows a warp"
+        elif block_n % MMA_K:
+            reason = f"block_n={block_n} is not a multiple of {MMA_K}"
+        elif stages < 2:
+            reason = f"stages={stages}: the cp.async ring needs at least 2"
+        if not reason:
+            reason = launch_verdict(threads, shared, device)
+        if not reason and larger_than_needed(block_m, n, 64):
+            reason = f"block_m={block_m} is larger than needed for seq_len={n}"
+        if not reason and larger_than_needed(block_n, n, 32):
+            reason = f"block_n={block_n} is larger than needed for seq_len={n}"
+        if not reason and (splits > GRID_YZ_LIMIT or bh > GRID_YZ_LIMIT):
+            reason = f"{splits} splits x {bh} batch-heads exceed the grid's y/z limit"
+        partial = bh * splits * n * (d + 1) if splits > 1 else 0
+        if not reason and partial > U32_MAX:
+            reason = f"split scratch of {partial} floats overflows u32"
+
+        launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
+        reduce_launch = None
+        if splits > 1:
+            merge_blocks = div_ceil(bh * n * (d // 4), MERGE_THREADS)
+            reduce_launch = Launch(
+                grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
+            )
+        element = problem.element_bytes
+        key_rows = key_rows_read_per_head(n, block_m, problem.causal)
+        read = element * bh * (n * d + 2 * key_rows * d)
+        write = element * bh * n * d
+        if splits > 1:
+            read += F32_BYTES * partial
+            write += F32_BYTES * partial
+        non_matmul = bh * (
+            problem.attended_pairs * NON_MATMUL_FLOPS_PER_PAIR
+            # per row and tile: the max merge, the correction's exp2, and the
+            # rescale of the row's head_dim accumulators
+            + n * tile_count * (d + 4)
+            + n * (splits - 1) * d * 3
+        )
+        blocks_per_sm = blocks_per_sm_of(threads, shared, None, device)
+        occupancy, waves = occupancy_and_waves(launch, threads, blocks_per_sm, device)
+        if not reason and blocks_per_sm == 0:
+            reason = f"{threads} threads with {shared} B shared memory do not fit on one SM"
+        return KernelPlan(
+            problem=problem,
+            params=params,
+            tile_size=block_n,
+            tile_count=tile_count,
+            sequence_splits=splits,
+            tiles_per_sequence_split=tiles_per_split,
+            keys_per_sequence_split=keys_per_split,
+            split_reduce_scratch_elements=split_reduce_scratch_elements(splits, d),
+            parallel_workgroups_per_row=splits,
+            rows_per_block=block_m,
+            threads_per_row=4,  # an mma row's scores live in a quad of lanes
+            rows_per_thread=max(rows_per_warp // 8, 1),
+            launch=launch,
+            reduce_launch=reduce_launch,
+            global_read_bytes=read,
+            global_write_bytes=write,
+            matmul_flops=problem.useful_flops,
+            non_matmul_flops=non_matmul,
+            blocks_per_sm=blocks_per_sm,
+            occupancy=occupancy,
+            waves=waves,
+            feasible=not reason,
+            reason=reason,
+        )
+
+    def compile_defines(self, plan: KernelPlan) -> dict[str, int]:
+        p, params = plan.problem, plan.params
+        return {
+            "HEAD_DIM": p.head_dim,
+            "BLOCK_M": params.block_m,
+            "BLOCK_N": params.block_n,
+            "WARPS": params.warps,
+            "STAGES": params.stages,
+            "CAUSAL": int(p.causal),
+            "IS_FP16": int(p.dtype == "float16"),
+            "Q_IN_REGISTERS": params.q_in_registers,
+        }
+
+    def key(self, plan: KernelPlan) -> str:
+        params = plan.params
+        return (
+            f"mma_f16/m{params.block_m}/n{params.block_n}/w{params.warps}/st{params.stages}"
+            f"/q{'reg' if params.q_in_registers else 'smem'}/s{plan.sequence_splits}"
+        )
+
+    def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
+        p = plan.problem
+        if plan.sequence_splits > 1 and not (buffers.partial_o and buffers.partial_ml):
+            raise ValueError(f"{plan.key()} needs split buffers; none were given")
+        q, k, v, out, partial_o, partial_lse = pointers(buffers)
+        seq_len = np.int32(p.seq_len)
+        attention = kernel_launch(
+            plan.launch,
+            "mma_f16_attention",
+            (
+                q,
+                k,
+                v,
+                out,
+                partial_o,
+                partial_lse,
+                seq_len,
+                seq_len,  # kv_len: self-attention, keys as long as queries
+                np.int32(plan.keys_per_sequence_split),
+                np.float32(scale_log2(p.head_dim)),
+            ),
+        )
+        if plan.sequence_splits == 1:
+            return (attention,)
+        if plan.reduce_launch is None:
+            raise ValueError(f"{plan.key()} has {plan.sequence_splits} splits but no merge launch")
+        merge = kernel_launch(
+            plan.reduce_launch,
+            "mma_f16_split_merge",
+            (
+                partial_o,
+                partial_lse,
+                out,
+                seq_len,
+                np.int32(plan.sequence_splits),
+                np.int32(p.batch_heads * p.seq_len),
+            ),
+        )
+        return (attention, merge)
+
+    def cost_terms(self, plan: KernelPlan) -> CostTerms:
+        """Shared traffic per K/V tile and warp: ldmatrix reads of the K tile (once),
+        of the V tile (once per m16 tile: softmax and P.V run one m tile at a time)
+        and, with Q in shared memory, of the warp's Q rows; per block the cp.async
+        stores of K and V. ``ilp``: the independent m16n8 accumulators of S a warp
+        keeps in flight.
+        """
+        p, params = plan.problem, plan.params
+        d, bh, n = p.head_dim, p.batch_heads, p.seq_len
+        block_n = params.block_n
+        warps = params.warps
+        m_tiles = params.block_m // warps // MMA_M
+        q_reads = 0 if params.q_in_registers else m_tiles * MMA_M * d
+        per_warp = block_n * d + m_tiles * block_n * d + q_reads
+        per_block = per_warp * warps + 2 * block_n * d
+        # ldmatrix.x4 moves 512 bytes a warp instruction; cp.async 16 bytes a lane.
+        ldmatrix_ops = per_warp * ELEMENT_BYTES // 512 * 32
+        per_block_ops = ldmatrix_ops * warps + 2 * block_n * d * ELEMENT_BYTES // 16
+        executed = executed_pairs(plan, params.block_m)
+        block_tiles = executed // (params.block_m * block_n)
+        return CostTerms(
+            matmul_pipe="mma_sync_f16",
+            executed_pairs=executed,
+            exps=bh * executed + bh * n * plan.tile_count,
+            shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
+            shared_lane_ops=per_block_ops * block_tiles * bh,
+            ilp=m_tiles * (block_n // 8),
+        )
+
+
+FAMILY = MmaF16()
