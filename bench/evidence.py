@@ -186,6 +186,7 @@ def tune_command(
         f"batch={problem.batch}",
         f"heads={problem.heads}",
         f"causal={'true' if problem.causal else 'false'}",
+        f"dtype={problem.dtype}",
         f"registry.url={sqlite_url(work_dir / 'plans.sqlite')}",
         f"search.storage={sqlite_url(work_dir / 'studies.sqlite')}",
         f"hydra.run.dir={work_dir / ('run-' + shape_name(problem))}",

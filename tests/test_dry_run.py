@@ -41,7 +41,6 @@ def run_plan(workdir: Path, *arguments: str) -> subprocess.CompletedProcess[str]
     )
 
 
-
 @pytest.mark.parametrize(
     ("seq_len", "head_dim"),
     [(4096, 128), (7, 32)],
@@ -49,7 +48,7 @@ def run_plan(workdir: Path, *arguments: str) -> subprocess.CompletedProcess[str]
 def test_plan_mode_prints_feasible_candidates_and_rejections(
     tmp_path: Path, seq_len: int, head_dim: int
 ) -> None:
-    result = run_plan(tmp_path, f"seq_len={seq_len}", f"head_dim={head_dim}")
+    result = run_plan(tmp_path, f"seq_len={seq_len}", f"head_dim={head_dim}", "dtype=float32")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     out = result.stdout
@@ -67,7 +66,9 @@ def test_plan_mode_prints_feasible_candidates_and_rejections(
 
 def test_plan_rows_limits_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     for rows, expected in [(3, 3), (0, None)]:
-        validated = validate(TunerConfig(seq_len=1024, head_dim=64, mode="plan", plan_rows=rows))
+        validated = validate(
+            TunerConfig(seq_len=1024, head_dim=64, dtype="float32", mode="plan", plan_rows=rows)
+        )
         print_plan_space(validated)
         out = capsys.readouterr().out
         feasible = candidate_space(validated.problem, validated.device).feasible
@@ -76,7 +77,9 @@ def test_plan_rows_limits_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_table_is_ranked_by_predicted_time(capsys: pytest.CaptureFixture[str]) -> None:
-    validated = validate(TunerConfig(seq_len=2048, head_dim=128, mode="plan", plan_rows=5))
+    validated = validate(
+        TunerConfig(seq_len=2048, head_dim=128, dtype="float32", mode="plan", plan_rows=5)
+    )
     print_plan_space(validated)
     keys = [
         line.split()[1] for line in capsys.readouterr().out.splitlines() if TABLE_ROW.match(line)

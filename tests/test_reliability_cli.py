@@ -357,6 +357,7 @@ def test_a_missing_directory_is_created_for_the_registry_and_study(tmp_path: Pat
             config_name="config",
             overrides=[
                 *BASE[:3],
+                "dtype=float32",
                 "search.n_trials=2",
                 f"registry.url=sqlite:///{registry}",
                 f"search.storage=sqlite:///{study}",
