@@ -125,7 +125,9 @@ def main() -> int:
                 with sdpa_kernel(backend):
                     peer_out[name] = sdpa(q, k, v, is_causal=causal)
                     if args.peers and not args.parity_only:
-                        peers[name] = time_ms(lambda: sdpa(q, k, v, is_causal=causal))
+                        peers[name] = time_ms(
+                            lambda q=q, k=k, v=v, c=causal: sdpa(q, k, v, is_causal=c)
+                        )
             except RuntimeError as error:
                 peers[name] = str(error).splitlines()[0]
         torch_err = float((peer_out["flash"].double() - ref).abs().max())
@@ -161,7 +163,7 @@ def main() -> int:
                 def run(
                     attention=attention, merge=merge, out=out, part_o=part_o, part_l=part_l,
                     grid=grid, block=block, smem=smem, splits=splits, per_split=per_split,
-                    scale=scale, total_rows=total_rows, merge_grid=merge_grid,
+                    scale=scale, total_rows=total_rows, merge_grid=merge_grid, q=q, k=k, v=v, n=n,
                 ) -> None:
                     attention(
                         np.uintp(q.data_ptr()), np.uintp(k.data_ptr()), np.uintp(v.data_ptr()),

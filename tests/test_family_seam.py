@@ -24,6 +24,7 @@ from tuner.planner.launches import KernelLaunch, kernel_launch, pointers, scale_
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
 from tuner.planner.space import SpaceAxes, candidate_space
+from tuner.planner.tunable import plan_kernel
 from tuner.problem import Problem
 from tuner.study_space import StudySpace
 
@@ -152,11 +153,21 @@ class ToyMma(KernelFamily):
 
 @pytest.fixture
 def toy() -> Iterator[KernelFamily]:
+    # The real half-precision families step aside, so the space of a bfloat16
+    # problem is the toy's alone; they come back in their registration order.
+    kept = families.registered()
+    for family in kept:
+        if PROBLEM.dtype in family.dtypes:
+            families.unregister(family.name)
     family = families.register(ToyMma())
     try:
         yield family
     finally:
         families.unregister(family.name)
+        for name in families.family_names():
+            families.unregister(name)
+        for original in kept:
+            families.register(original)
 
 
 def test_a_registered_family_flows_through_the_space_and_the_study(toy: KernelFamily) -> None:
@@ -165,11 +176,12 @@ def test_a_registered_family_flows_through_the_space_and_the_study(toy: KernelFa
     # 2 x 3 x 2 x 2 tunable combinations, each with and without a split, but for the
     # 2 x 2 (split or not) with block_m=128, block_n=128, stages=3: 243712 B of shared memory.
     assert len(space.feasible) == 2 * 3 * 2 * 2 * 2 - 4
-    # The float32 families are ruled out with one line naming the dtype.
-    assert {plan.reason for plan in space.rejected if plan.family != "toy_mma"} == {
-        "scalar_online kernels take float32, not bfloat16",
-        "tiled kernels take float32, not bfloat16",
-    }
+    # The float32 families are not candidates of a bfloat16 problem at all; asked
+    # directly, the planner refuses them with one line naming the dtype.
+    assert {plan.family for plan in space.rejected} == {"toy_mma"}
+    assert plan_kernel(PROBLEM, KernelParams("tiled"), H200).reason == (
+        "tiled kernels take float32, not bfloat16"
+    )
     narrowed = candidate_space(PROBLEM, H200, SpaceAxes(values={"toy_mma_block_m": (128,)}))
     assert {plan.params.block_m for plan in narrowed.feasible} == {128}
 

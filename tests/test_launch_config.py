@@ -26,6 +26,7 @@ from kernels.launch import (
 )
 from kernels.reference import scale_log2
 from tuner.device import H200
+from tuner.planner.families.mma_f16 import mma_f16_shared_bytes
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import (
     KernelParams,
@@ -44,8 +45,11 @@ PROBLEMS = [
     Problem(4096, 128, causal=True),
     Problem(1000, 64, batch=2, heads=3),
     Problem(65, 32, causal=True),
+    Problem(1000, 128, heads=2, dtype="bfloat16"),
+    Problem(65, 64, causal=True, dtype="float16"),
 ]
-C_TYPES = {"float*": np.uintp, "int": np.int32, "float": np.float32}
+#: elem_t is the half-precision family's 16-bit element type (bf16 or fp16)
+C_TYPES = {"float*": np.uintp, "elem_t*": np.uintp, "int": np.int32, "float": np.float32}
 
 
 def kernel_signatures() -> dict[str, list[type]]:
@@ -100,6 +104,15 @@ def check_launch(plan: KernelPlan) -> None:
             p.batch_heads,
         )
         assert main.args[7] == plan.keys_per_sequence_split
+    elif plan.family == "mma_f16":
+        assert main.shared_bytes == mma_f16_shared_bytes(
+            plan.params.block_m, plan.params.block_n, plan.params.stages, p.head_dim
+        )
+        row_blocks = -(-p.seq_len // plan.params.block_m)
+        assert main.grid == (row_blocks, plan.sequence_splits, p.batch_heads)
+        assert main.args[6] == main.args[7] == p.seq_len  # queries and keys alike
+        assert main.args[8] == plan.keys_per_sequence_split
+        assert plan.keys_per_sequence_split % plan.params.block_n == 0
     else:
         assert main.shared_bytes == scalar_shared_bytes(plan.threads, p.head_dim)
         assert main.grid == (-(-p.seq_len // plan.threads), 1, p.batch_heads)
@@ -126,7 +139,7 @@ def test_split_plans_merge_with_the_reduce_launch() -> None:
     for plan in plans:
         attention, merge = launch_sequence(plan, BUFFERS)
         p = plan.problem
-        assert merge.function == "split_merge"
+        assert merge.function == build.ENTRY_FUNCTIONS[plan.family][1]
         assert plan.reduce_launch is not None
         assert (merge.grid, merge.block, merge.shared_bytes) == (
             plan.reduce_launch.grid,
@@ -152,7 +165,12 @@ def test_split_buffers_are_the_plans_scratch() -> None:
         assert sizes.tensor == p.batch_heads * p.seq_len * p.head_dim
         assert sizes.partial_o + sizes.partial_ml == plan.partial_elements
         if plan.sequence_splits > 1:
-            per_row = plan.split_reduce_scratch_elements  # the seed's splits * (head_dim + 2)
+            # the seed's splits * (head_dim + 2) for a (max, sum) pair per row; one
+            # log-sum-exp per row for a family that keeps that instead
+            stats = plan.kernel_family.partial_stats_per_row
+            per_row = plan.sequence_splits * (p.head_dim + stats)
+            if stats == 2:
+                assert per_row == plan.split_reduce_scratch_elements
             assert sizes.partial_o + sizes.partial_ml == p.batch_heads * p.seq_len * per_row
 
 

@@ -98,7 +98,12 @@ def enumerate_params(problem: Problem, axes: SpaceAxes | None = None) -> Iterabl
     axes = axes or SpaceAxes()
     values = axes.values()
     for name in axes.family_names():
-        yield from family_named(name).enumerate_params(problem, values)
+        family = family_named(name)
+        # A family that cannot take the problem's dtype is no candidate at all:
+        # counting its every combination as "rejected" would drown the reasons
+        # that matter (plan_kernel still refuses it in one line if asked).
+        if problem.dtype in family.dtypes:
+            yield from family.enumerate_params(problem, values)
 
 
 def candidate_space(
