@@ -7,8 +7,9 @@
     python -m db import plans.json
     python -m db upgrade [--url URL]
 
-Every subcommand takes ``--url`` (default ``sqlite:///db/plans.sqlite``,
-relative to the working directory). Queries open the registry read-only. A
+Every subcommand takes ``--url`` (default: ``plans.sqlite`` in the per-user data
+directory, ``$FLASH_ATTENTION_TUNER_DATA_DIR`` or ``~/.local/share/flash-attention-tuner``,
+see ``tuner.data_dir``; the tuner writes there by default). Queries open the registry read-only. A
 database at an older schema revision is refused, by readers and writers, until
 ``upgrade`` is run on it. Exit status: 0 ok, 1 error (one line on stderr, never
 a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null).
@@ -25,7 +26,7 @@ from typing import Any, NoReturn
 from db import transfer
 from db.records import StoredPlan
 from db.registry import PlanRegistry, upgrade_registry
-from db.storage import DEFAULT_URL
+from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
 from tuner.problem import Problem
@@ -44,8 +45,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     common = _OneLineParser(add_help=False)
+    default_url = default_registry_url()
     common.add_argument(
-        "--url", default=DEFAULT_URL, help=f"SQLAlchemy URL (default {DEFAULT_URL})"
+        "--url", default=default_url, help=f"SQLAlchemy URL (default {default_url})"
     )
     common.add_argument("--json", action="store_true", help="machine-readable output")
 

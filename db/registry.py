@@ -1,6 +1,6 @@
 """The plan registry: record tuned plans, serve the best one per problem x environment.
 
-    with PlanRegistry.open("sqlite:///db/plans.sqlite") as registry:
+    with PlanRegistry.open("sqlite:////srv/tuning/plans.sqlite") as registry:
         registry.record(problem, environment, plan)            # a tuning run
 
     registry = PlanRegistry.open(url, readonly=True)             # a deployment
@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 from db import ranking, reads, schema, storage, transfer, writes
 from db.cache import BestPlanCache
 from db.records import ImportSummary, PlanRecord, RecordOutcome, StoredPlan
+from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import RegistryError
 from tuner.problem import Problem
@@ -58,9 +59,12 @@ class PlanRegistry:
         self._cache = BestPlanCache(self.best)
 
     @classmethod
-    def open(cls, url: str = storage.DEFAULT_URL, readonly: bool = False) -> PlanRegistry:
-        """Open (a writer creates when missing) and check the schema revision."""
-        parsed = storage.parse_url(url)
+    def open(cls, url: str | None = None, readonly: bool = False) -> PlanRegistry:
+        """Open (a writer creates when missing) and check the schema revision.
+
+        ``url=None``: ``plans.sqlite`` in the per-user data directory (``tuner.data_dir``).
+        """
+        parsed = storage.parse_url(url or default_registry_url())
         label = storage.describe(parsed)
         engine = storage.create_registry_engine(parsed, readonly=readonly)
         try:
@@ -297,12 +301,12 @@ def _serve_order(stored: StoredPlan) -> tuple[int, float, int]:
     return -tier, stored.record.ranking_ms, stored.plan_id
 
 
-def upgrade_registry(url: str = storage.DEFAULT_URL) -> tuple[str | None, str]:
-    """Create or upgrade the database at ``url`` to the newest schema revision.
+def upgrade_registry(url: str | None = None) -> tuple[str | None, str]:
+    """Create or upgrade the database at ``url`` (None: the default) to the newest revision.
 
     Returns (revision before or None for a new database, revision after).
     """
-    parsed = storage.parse_url(url)
+    parsed = storage.parse_url(url or default_registry_url())
     engine = storage.create_registry_engine(parsed, readonly=False)
     try:
         return schema.upgrade(engine, storage.describe(parsed))

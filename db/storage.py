@@ -52,7 +52,6 @@ from sqlalchemy.orm import Session
 
 from tuner.errors import RegistryError
 
-DEFAULT_URL = "sqlite:///db/plans.sqlite"
 BUSY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5  # libpq's connect_timeout, whole seconds
 
@@ -89,9 +88,9 @@ class WriteConflict(RegistryError):
     """A write transaction lost a deadlock or serialization conflict; running it again is safe."""
 
 
-# Parsed once at import: checks the default, and compiles SQLAlchemy's URL
-# pattern (about 1 ms, done lazily otherwise) outside the cold-open path.
-_DEFAULT_PARSED = make_url(DEFAULT_URL)
+# Parsed once at import: compiles SQLAlchemy's URL pattern (about 1 ms, done
+# lazily otherwise) outside the cold-open path.
+_DEFAULT_PARSED = make_url("sqlite://")
 
 
 def parse_url(url: str) -> URL:

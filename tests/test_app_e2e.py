@@ -28,7 +28,7 @@ from tuner.config import typed_config, validate
 from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = ROOT / "conf"
+CONF_DIR = ROOT / "tuner" / "conf"
 FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 PROBLEM = Problem(512, 64)
 HEADER = "rank  plan"

@@ -23,7 +23,7 @@ import tuner.__main__ as entry
 from tuner.config import ValidatedConfig
 from tuner.errors import RegistryError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "tuner" / "conf"
 
 
 @dataclass(frozen=True)

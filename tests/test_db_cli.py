@@ -120,11 +120,14 @@ def test_list_history_export_import(url: str, tmp_path: Path) -> None:
     assert json.loads(again.stdout) == {"added": 0, "skipped": 2}
 
 
-def test_default_url_is_relative_to_the_working_directory(tmp_path: Path) -> None:
+def test_default_url_is_the_per_user_data_directory(tmp_path: Path, private_data_dir) -> None:
     created = run_cli("upgrade", cwd=tmp_path)
     assert created.returncode == 0, created.stderr
-    assert (tmp_path / "db" / "plans.sqlite").is_file()
+    assert (private_data_dir / "plans.sqlite").is_file()
+    assert list(tmp_path.iterdir()) == []  # nothing in the working directory
     assert run_cli("list", cwd=tmp_path).stdout == ""
+    helped = "".join(run_cli("list", "--help", cwd=tmp_path).stdout.split())  # argparse wraps
+    assert str(private_data_dir / "plans.sqlite") in helped
 
 
 def test_upgrade_migrates_the_frozen_0001_file(tmp_path: Path) -> None:

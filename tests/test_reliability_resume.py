@@ -38,7 +38,7 @@ from tuner.config import typed_config, validate
 from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
+CONF_DIR = ROOT / "tuner" / "conf"
 RECORDING = ROOT / "bench" / "data" / "h200_1x1x4096x128.json"
 PROBLEM = Problem(4096, 128)
 CANDIDATES = 21

@@ -100,7 +100,7 @@ def test_a_failed_joblib_job_makes_the_sweep_fail(tmp_path):
 
 def test_the_slurm_launcher_config_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "tuner" / "conf"), version_base="1.3"):
         cfg = compose(
             config_name="config",
             overrides=["seq_len=4096", "head_dim=128", "hydra/launcher=slurm_h200"],

@@ -4,7 +4,7 @@ Any error the user can fix is printed as one line, ``error: <message>``, on
 stderr, and the run exits with status 1, writing nothing. There are
 three sources of such errors:
 
-* Hydra's composition of ``conf/`` (unknown key, unknown group option, a value
+* Hydra's composition of ``tuner/conf/`` (unknown key, unknown group option, a value
   a typed field cannot take, a malformed override). Hydra's ``run_and_report``
   would print these over several lines with a hint about ``HYDRA_FULL_ERROR``;
   with that variable set to 1 it re-raises them instead, so ``main`` sets it
@@ -29,6 +29,36 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+
+def _drop_working_directory() -> None:
+    """Take the working directory off ``sys.path`` unless the tuner runs from there.
+
+    ``python -m`` puts it first; a ``db/`` or ``kernels/`` directory of the user's
+    there (an old run's ``db/plans.sqlite``, say) would then shadow the installed
+    package of that name. Kept when the packages themselves live there (a checkout
+    run in place).
+    """
+    here = Path(__file__).resolve().parent.parent
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the working directory was removed: it can shadow nothing
+        cwd = None
+    if cwd == here:
+        return
+    sys.path[:] = [
+        entry for entry in sys.path if entry != "" and (cwd is None or _resolved(entry) != cwd)
+    ]
+
+
+def _resolved(entry: str) -> Path | None:
+    try:
+        return Path(entry).resolve()
+    except OSError:
+        return None
+
+
+_drop_working_directory()
+
 import hydra
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
@@ -47,10 +77,10 @@ from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
 from tuner.sweeps import JobFailed, in_launcher_process, job_overrides, mark_main_process, restore
 
-#: ``../conf``, made absolute: Hydra resolves a relative path against the file only when this
-#: module runs as ``__main__``; imported (a console script, a test) it would look for a
-#: ``conf`` package instead.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+#: ``tuner/conf``, shipped inside the package (package data), made absolute: Hydra resolves a
+#: relative path against the file only when this module runs as ``__main__``; imported (a
+#: console script, a test) it would look for a ``conf`` package instead.
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 #: exit status of each job this process ran (several under ``--multirun``)
 _job_statuses: list[int] = []

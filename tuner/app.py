@@ -39,6 +39,7 @@ from kernels.backends import Backend, BackendChoice, BackendFactory, choose_back
 from tuner import plots, report
 from tuner.config import ValidatedConfig, space_axes_from
 from tuner.costmodel import predict
+from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError, ConfigError
@@ -71,6 +72,7 @@ def run(
     """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored)."""
     out = out or sys.stdout
     config, problem = validated.config, validated.problem
+    registry_url = config.registry.url or default_registry_url()  # validate() resolved it
 
     def say(line: str) -> None:
         print(line, file=out, flush=True)
@@ -93,11 +95,11 @@ def run(
         # A replay is a simulation of a GPU run: its own study, never the GPU's.
         variant = "replay" if choice.name == "replay" else ""
         name = config.search.study_name or study_name(problem, environment, hashes, variant)
-        storage_url = config.search.storage or default_storage_url(config.registry.url)
-        _check_storage(storage_url, config.registry.url, shared=gpu_plan is not None)
+        storage_url = config.search.storage or default_storage_url(registry_url)
+        _check_storage(storage_url, registry_url, shared=gpu_plan is not None)
         # Checked before the study is touched: a registry that cannot take the
         # result is refused now, not after the search has spent its trials.
-        PlanRegistry.open(config.registry.url).close()
+        PlanRegistry.open(registry_url).close()
         storage = open_storage(
             storage_url,
             heartbeat_interval_s=config.search.heartbeat_interval_s,
@@ -154,7 +156,7 @@ def run(
     say(report.best_table(result, TOP_ROWS))
     for line in report.summary_lines(result):
         say(line)
-    say(_store_best(result, problem, environment, hashes, config.registry.url))
+    say(_store_best(result, problem, environment, hashes, registry_url))
     say(_write_plots(result, problem, output_dir))
     if result.interrupted:
         return EXIT_INTERRUPTED

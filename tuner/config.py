@@ -1,6 +1,6 @@
 """Typed configuration: the dataclass schemas Hydra composes into.
 
-``conf/`` holds the YAML that builds on these schemas; ``tuner.__main__``
+``tuner/conf/`` holds the YAML that builds on these schemas; ``tuner.__main__``
 converts the composed config with ``OmegaConf.to_object`` once, validates it
 with ``validate``, and the rest of the code sees only these dataclasses.
 """
@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.errors import ConfigError
 from tuner.planner.errors import PlanError
@@ -77,7 +78,8 @@ class BackendConfig:
 
 @dataclass
 class RegistryConfig:
-    url: str = "sqlite:///db/plans.sqlite"
+    #: any SQLAlchemy URL; null: plans.sqlite in the per-user data directory (tuner.data_dir)
+    url: str | None = None
 
 
 @dataclass
@@ -128,11 +130,11 @@ class TunerConfig:
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore, where ``conf/`` builds on them.
+    """Store the schemas in Hydra's ConfigStore, where ``tuner/conf/`` builds on them.
 
-    ``conf/config.yaml`` starts from ``base_config`` and each group option from
+    ``tuner/conf/config.yaml`` starts from ``base_config`` and each group option from
     its group's ``base_*`` schema, so Hydra type-checks YAML and overrides alike.
-    Called on import: every composer of ``conf/`` imports this module first.
+    Called on import: every composer of ``tuner/conf/`` imports this module first.
     """
     from hydra.core.config_store import ConfigStore
 
@@ -203,7 +205,7 @@ def _text(*, optional: bool = False) -> Rule:
 
 
 def _url(*, optional: bool = False) -> Rule:
-    allowed = "a SQLAlchemy URL such as sqlite:///db/plans.sqlite" + (
+    allowed = "a SQLAlchemy URL such as sqlite:////path/to/plans.sqlite" + (
         " or null" if optional else ""
     )
     return Rule(allowed, lambda v: (optional and v is None) or _is_url(v))
@@ -295,7 +297,7 @@ RULES: dict[str, Rule] = {
     "backend.cache_dir": _text(),
     "backend.isolate": _BOOL,
     "backend.compile_jobs": _int_in(0),
-    "registry.url": _url(),
+    "registry.url": _url(optional=True),
     "device.profile": _text(),
     "device.name": _text(),
     "device.compute_capability": Rule(
@@ -497,6 +499,9 @@ def validate(config: TunerConfig) -> ValidatedConfig:
         )
     device = device_profile_from(config.device)
     _require_feasible_plan(problem, device, space_axes_from(config.search))
+    if config.registry.url is None:
+        # Resolved once, here: every later stage sees the URL it writes to.
+        config = replace(config, registry=RegistryConfig(url=default_registry_url()))
     return ValidatedConfig(problem=problem, device=device, config=config)
 
 

@@ -9,9 +9,9 @@ everything else.
 
 The default storage is ``studies.sqlite`` next to the registry's SQLite file;
 open it with ``optuna-dashboard sqlite:///path/to/studies.sqlite``. A registry
-on a server (PostgreSQL) gets a local ``studies.sqlite`` unless
-``search.storage`` names one: the registry's own tables (and its
-``alembic_version``) must not share a schema with Optuna's.
+on a server (PostgreSQL) gets ``studies.sqlite`` in the per-user data directory
+(``tuner.data_dir``) unless ``search.storage`` names one: the registry's own
+tables (and its ``alembic_version``) must not share a schema with Optuna's.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from tuner.data_dir import STUDIES_FILE, default_studies_url
 from tuner.environment import Environment
 from tuner.errors import ConfigError
 from tuner.problem import Problem
-
-STUDIES_FILE = "studies.sqlite"
 
 
 def study_name(
@@ -56,7 +55,7 @@ def study_name(
 
 
 def default_storage_url(registry_url: str) -> str:
-    """``sqlite:///<registry directory>/studies.sqlite``, or ``./studies.sqlite``."""
+    """``sqlite:///<registry directory>/studies.sqlite``, or the data directory's."""
     try:
         url = make_url(registry_url)
     except ArgumentError as error:
@@ -65,5 +64,5 @@ def default_storage_url(registry_url: str) -> str:
     if url.get_backend_name() == "sqlite" and database and database != ":memory:":
         path = Path(database).expanduser().parent / STUDIES_FILE
     else:
-        path = Path(STUDIES_FILE)
+        return default_studies_url()
     return f"sqlite:///{path}"
