@@ -114,6 +114,22 @@ def test_rerunning_the_same_command_continues_the_study(tmp_path, hydra_conf):
     assert len(keys) == 9 == len(set(keys)) and keys[:5] == first
     _, output = run_in_process(tmp_path, "backend=model", "search.n_trials=9", *urls(tmp_path))
     assert "n_trials=9 already reached" in output and len(evaluated_keys(tmp_path)) == 9
+    assert "study: continuing " in output and "(9 trials done of search.n_trials=9;" in output
+
+
+def test_another_sampler_starts_its_own_study(tmp_path, hydra_conf):
+    status, output = run_in_process(
+        tmp_path, "backend=model", "search=random", "search.n_trials=6", *urls(tmp_path)
+    )
+    assert status == 0 and "continuing" not in output
+    status, output = run_in_process(
+        tmp_path, "backend=model", "search=grid", "search.n_trials=4", *urls(tmp_path)
+    )
+    assert status == 0, output
+    assert "continuing" not in output and "already reached" not in output
+    assert "4 in this run" in output
+    names = optuna.get_all_study_names(f"sqlite:///{tmp_path / 's.sqlite'}")
+    assert sorted(name.rsplit("-", 1)[1] for name in names) == ["grid", "random"]
 
 
 def test_replay_run_serves_the_recording(tmp_path, hydra_conf):

@@ -293,6 +293,8 @@ def test_study_names_change_with_the_environment_and_the_kernel_source():
     assert study_name(problem, newer, hashes) != name
     assert study_name(Problem(4096, 128, causal=True), environment, hashes) != name
     assert study_name(problem, environment, hashes, "replay") == f"{name}-replay"
+    assert name.endswith("-tpe")  # the sampler is part of a study's identity
+    assert study_name(problem, environment, hashes, sampler="random") == f"{name[:-4]}-random"
 
 
 def test_the_default_storage_sits_next_to_the_registry():

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from optuna.storages import BaseStorage
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from tqdm import tqdm
@@ -49,7 +50,7 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
-from tuner.search import encoding_for, run_search
+from tuner.search import encoding_for, run_search, study_trials
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
@@ -94,7 +95,9 @@ def run(
         hashes = _source_hashes(choice, backend, problem)
         # A replay is a simulation of a GPU run: its own study, never the GPU's.
         variant = "replay" if choice.name == "replay" else ""
-        name = config.search.study_name or study_name(problem, environment, hashes, variant)
+        name = config.search.study_name or study_name(
+            problem, environment, hashes, variant, sampler=config.search.sampler
+        )
         storage_url = config.search.storage or default_storage_url(registry_url)
         _check_storage(storage_url, registry_url, shared=gpu_plan is not None)
         # Checked before the study is touched: a registry that cannot take the
@@ -110,6 +113,13 @@ def run(
             f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
             f"{len(rejected)} rejected; optuna-dashboard {shown} shows it)"
         )
+        done = _trials_done(storage, name)
+        if done is not None:
+            say(
+                f"study: continuing {name} ({done} trials done of "
+                f"search.n_trials={config.search.n_trials}; search.study_name=<new name> "
+                "starts another)"
+            )
         space = StudySpace(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
         )
@@ -226,6 +236,13 @@ def _same_database(a: Any, b: Any) -> bool:
         return Path(a.database).expanduser().resolve() == Path(b.database).expanduser().resolve()
     where = ("host", "port", "database")
     return all(getattr(a, part) == getattr(b, part) for part in where)
+
+
+def _trials_done(storage: BaseStorage, name: str) -> int | None:
+    """The trials that count in the study ``name`` already; None when there is no such study."""
+    if name not in {summary.study_name for summary in storage.get_all_studies()}:
+        return None
+    return sum(1 for trial in study_trials(storage, name) if trial.counted)
 
 
 def _measures_on_a_gpu(choice: BackendChoice, backend: Backend) -> bool:
