@@ -50,6 +50,7 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from tuner.database_errors import database_message, missing_driver
 from tuner.errors import RegistryError
 
 BUSY_TIMEOUT_S = 30.0
@@ -107,9 +108,7 @@ def describe(url: URL) -> str:
 
 def one_line(error: BaseException) -> str:
     """The driver's own message, on one line (SQLAlchemy appends SQL and links)."""
-    source = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
-    text = " ".join(str(source).split())
-    return text or type(source).__name__
+    return database_message(error)
 
 
 def is_sqlite(url: URL) -> bool:
@@ -140,7 +139,12 @@ def create_registry_engine(url: URL, *, readonly: bool) -> Engine:
         raise RegistryError(
             f"no database driver for {describe(url)} (for PostgreSQL install the 'postgres' extra)"
         ) from e
-    except (ArgumentError, ImportError) as e:
+    except ImportError as e:
+        driver = missing_driver(describe(url), e)
+        raise RegistryError(
+            f"cannot use registry URL {describe(url)}: {driver or one_line(e)}"
+        ) from e
+    except ArgumentError as e:
         raise RegistryError(f"cannot use registry URL {describe(url)}: {one_line(e)}") from e
     _install_sqlite_hooks(engine, writer=not readonly)
     return engine

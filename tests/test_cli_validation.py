@@ -228,7 +228,16 @@ def test_user_s_hydra_full_error_brings_tracebacks_back(
         (["foo=1"], "foo=1 is invalid: no such key; allowed: seq_len, head_dim,"),
         (["search.n_trials=1.5"], "search.n_trials=1.5 is invalid: must be an integer >= 1"),
         (["backend.flush_l2=maybe"], "backend.flush_l2=maybe is invalid: must be true or false"),
-        (["registry.url=null"], "registry.url=null is invalid: must be a SQLAlchemy URL"),
+        (
+            ["serach.n_trials=5"],
+            "serach.n_trials=5 is invalid: no such key (did you mean search.n_trials?); allowed:",
+        ),
+        (
+            ["search.n_trails=5"],
+            "search.n_trails=5 is invalid: search has no key 'n_trails' "
+            "(did you mean search.n_trials?); allowed: sampler,",
+        ),
+        (["seqlen=5"], "seqlen=5 is invalid: no such key (did you mean seq_len?)"),
         (["search=annealing"], "search=annealing is invalid: no such search option; allowed:"),
         (["device=a100"], "device=a100 is invalid: no such device option; allowed: h200"),
     ],

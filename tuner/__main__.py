@@ -173,6 +173,12 @@ def describe_composition_error(error: Exception, arguments: Sequence[str]) -> st
         return _first_line(error)
     key = re.sub(r"(\[\d+\])+$", "", full_key)
     given = _given_values(arguments)
+    if allowed_values(key) is None and key not in given:
+        # An unknown section (``serach.n_trials=5``): Hydra names the section only;
+        # the user wrote, and may have misspelt, the whole key.
+        written = next((k for k in given if k.startswith(f"{key}.")), None)
+        if written is not None:
+            return unknown_key_message(written, given[written])
     value = getattr(cause, "value", None)
     # A list element's value alone would misquote the list the user wrote.
     if key != full_key or value is None:

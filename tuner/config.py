@@ -7,6 +7,7 @@ with ``validate``, and the rest of the code sees only these dataclasses.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -347,11 +348,31 @@ def invalid_message(key: str, value_text: str) -> str:
 
 def unknown_key_message(key: str, value_text: str) -> str:
     section, _, name = key.rpartition(".")
+    closest = closest_key(key)
+    hint = f" (did you mean {closest}?)" if closest else ""
     if section in SECTIONS:
         known = ", ".join(f.name for f in fields(SECTIONS[section]))
-        return f"{key}={value_text} is invalid: {section} has no key {name!r}; allowed: {known}"
+        return (
+            f"{key}={value_text} is invalid: {section} has no key {name!r}{hint}; "
+            f"allowed: {known}"
+        )
     known = ", ".join(f"{f.name}.*" if f.name in SECTIONS else f.name for f in fields(TunerConfig))
-    return f"{key}={value_text} is invalid: no such key; allowed: {known}"
+    return f"{key}={value_text} is invalid: no such key{hint}; allowed: {known}"
+
+
+def closest_key(key: str) -> str | None:
+    """The known key ``key`` is most likely a typo of (difflib), or None.
+
+    Within a known section only that section's keys compete (their shared
+    ``search.`` prefix would make any two of them look alike).
+    """
+    section, _, name = key.rpartition(".")
+    if section in SECTIONS:
+        names = [f.name for f in fields(SECTIONS[section])]
+        matches = difflib.get_close_matches(name, names, n=1, cutoff=0.7)
+        return f"{section}.{matches[0]}" if matches else None
+    matches = difflib.get_close_matches(key, list(RULES), n=1, cutoff=0.7)
+    return matches[0] if matches else None
 
 
 def missing_message(key: str) -> str:
@@ -536,7 +557,7 @@ class RejectionKind:
 def rejection_summary(space: CandidateSpace) -> list[RejectionKind]:
     """``space.rejection_counts()``, commonest first, each with an example reason.
 
-    The planner's kinds strip numbers (so ``tile_size=128`` vanishes); the example
+    The planner's kinds show each number as N (``tile_size=N``); the example
     keeps them. It is found by the same grouping as ``rejection_counts``, applied
     per plan, so the two cannot disagree.
     """

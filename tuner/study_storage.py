@@ -47,6 +47,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from tuner.database_errors import database_message, missing_driver
 from tuner.errors import ConfigError
 
 #: seconds between heartbeats of a running trial
@@ -120,7 +121,8 @@ def open_storage(
             event.listen(storage.engine, "begin", functools.partial(_sqlite_begin, sqlite_begin))
             storage.engine.dispose()  # reconnect with the pragmas
         return storage
-    message = " ".join(str(error).split()) or type(error).__name__
+    assert error is not None  # the loop returns or records why it could not
+    message = missing_driver(url, error) or database_message(error)
     raise ConfigError(f"search.storage={_shown(url)} cannot be opened: {message}") from error
 
 
