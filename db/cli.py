@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any, NoReturn
 
 from db import transfer
@@ -58,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--heads", type=_positive, default=1)
     shape.add_argument("--causal", action="store_true")
     shape.add_argument("--dtype", default="float32")
-    shape.add_argument("--gpu-name", help="restrict to one environment (with the fields below)")
+    shape.add_argument(
+        "--gpu-name",
+        help="restrict to environments with this GPU (and the fields below, where given)",
+    )
     shape.add_argument("--compute-capability", default="")
     shape.add_argument("--sm-count", type=int, default=0)
     shape.add_argument("--driver-version", default="")
@@ -120,18 +124,23 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
     return Problem(args.seq_len, args.head_dim, args.batch, args.heads, args.causal, args.dtype)
 
 
-def _environment(args: argparse.Namespace) -> Environment | None:
-    if args.gpu_name is None:
+def _environment(args: argparse.Namespace) -> dict[str, object] | None:
+    """The environment fields given on the command line; a plan matches on those only.
+
+    Says on stderr which fields it matches on (stdout stays the answer, or JSON).
+    """
+    given: dict[str, object] = {
+        name: getattr(args, name)
+        for name in (f.name for f in fields(Environment))
+        if getattr(args, name) not in (None, "", 0)
+    }
+    if not given:
         return None
-    return Environment(
-        gpu_name=args.gpu_name,
-        compute_capability=args.compute_capability,
-        sm_count=args.sm_count,
-        driver_version=args.driver_version,
-        cuda_version=args.cuda_version,
-        nvcc_version=args.nvcc_version,
-        pycuda_version=args.pycuda_version,
-    )
+    shown = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    rest = len(fields(Environment)) - len(given)
+    note = f"; the other {rest} fields: any" if rest else ""
+    print(f"matching environments on {shown}{note}", file=sys.stderr)
+    return given
 
 
 def _source_hashes(args: argparse.Namespace) -> Mapping[str, str] | None:

@@ -156,14 +156,16 @@ class PlanRegistry:
     def best(
         self,
         problem: Problem,
-        environment: Environment | None = None,
+        environment: reads.EnvironmentMatch | None = None,
         *,
         nearest: bool = False,
         source_hashes: Mapping[str, str] | None = None,
     ) -> StoredPlan | None:
         """The plan to launch for ``problem``, or None when nothing fits.
 
-        ``environment=None`` considers every environment. The exact problem is
+        ``environment=None`` considers every environment; a mapping of some of an
+        ``Environment``'s fields (``{"gpu_name": "NVIDIA H200"}``) every environment
+        that has those values. The exact problem is
         served when tuned; else, with ``nearest``, the nearest tuned shape
         (``fallback=True``). See the module doc for the order.
         """
@@ -212,7 +214,7 @@ class PlanRegistry:
     def history(
         self,
         problem: Problem | None = None,
-        environment: Environment | None = None,
+        environment: reads.EnvironmentMatch | None = None,
         *,
         limit: int | None = DEFAULT_HISTORY_LIMIT,
         source_hashes: Mapping[str, str] | None = None,
