@@ -22,6 +22,7 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, NoReturn
 
 from db import transfer
@@ -184,8 +185,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else f"{args.url}: {before or 'new'} -> {after}")
         return 0
     if args.command == "import":
+        # Read (and checked) first: a missing or malformed export creates no registry.
+        entries = transfer.read_export(Path(args.path))
+        hashes = _source_hashes(args)
         with PlanRegistry.open(args.url) as registry:
-            summary = registry.import_(args.path, source_hashes=_source_hashes(args))
+            summary = registry.import_(args.path, source_hashes=hashes, entries=entries)
         result = {"added": summary.added, "skipped": summary.skipped}
         print(
             json.dumps(result)

@@ -74,6 +74,24 @@ class PlanRegistry:
             raise
         return cls(engine, label, readonly=readonly)
 
+    @classmethod
+    def check_writable(cls, url: str | None = None) -> None:
+        """Refuse now what ``open(url)`` and a write would refuse later, creating nothing.
+
+        A missing SQLite file is not created (a run that fails before it has a
+        plan must leave no empty registry behind): its directory must be
+        creatable and writable. An existing file, or a server, is opened and its
+        schema checked (read-only for a file).
+        """
+        parsed = storage.parse_url(url or default_registry_url())
+        path = storage.sqlite_file(parsed) if storage.is_sqlite(parsed) else None
+        if path is not None and not path.exists():
+            storage.check_creatable(path)
+            return
+        if path is not None:
+            storage.check_writable_file(path)
+        cls.open(url or default_registry_url(), readonly=path is not None).close()
+
     @property
     def url(self) -> str:
         """The URL, password hidden."""
@@ -125,13 +143,19 @@ class PlanRegistry:
         )
 
     def import_(
-        self, path: str | Path, *, source_hashes: Mapping[str, str] | None = None
+        self,
+        path: str | Path,
+        *,
+        source_hashes: Mapping[str, str] | None = None,
+        entries: list[transfer.ExportedPlan] | None = None,
     ) -> ImportSummary:
         """Add the plans of an export, all or nothing; plans already present are skipped.
 
-        Each added plan goes through the same best rule as ``record``.
+        Each added plan goes through the same best rule as ``record``. ``entries``:
+        the export already read from ``path`` (``transfer.read_export``).
         """
-        entries = transfer.read_export(Path(path))
+        if entries is None:
+            entries = transfer.read_export(Path(path))
 
         def run(session: Session) -> ImportSummary:
             outcomes = []

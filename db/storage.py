@@ -167,6 +167,30 @@ def _server_engine(url: URL, *, readonly: bool) -> Engine:
     )
 
 
+def check_creatable(path: Path) -> None:
+    """``RegistryError`` unless ``path`` (missing) could be created, creating nothing."""
+    if path.is_dir():
+        raise RegistryError(f"registry path {path} is a directory, not a database file")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise RegistryError(
+            f"cannot create directory {path.parent} for the plan registry: "
+            f"{ancestor} is not a directory"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise RegistryError(f"cannot create the plan registry {path}: {ancestor} is not writable")
+
+
+def check_writable_file(path: Path) -> None:
+    """``RegistryError`` unless the existing registry file ``path`` can be written."""
+    if path.is_dir():
+        raise RegistryError(f"registry path {path} is a directory, not a database file")
+    if not os.access(path, os.W_OK):
+        raise RegistryError(f"{path} is not writable; open the registry read-only instead")
+
+
 def _prepare_writable_file(path: Path) -> None:
     if path.is_dir():
         raise RegistryError(f"registry path {path} is a directory, not a database file")

@@ -198,3 +198,11 @@ def test_a_partial_environment_matches_on_the_fields_given(url: str, tmp_path: P
     assert other.returncode == 3 and "no plan for 1x1x1024x64" in other.stdout
     history = run_cli("history", "--url", url, "--gpu-name", "NVIDIA H200", "--json", cwd=tmp_path)
     assert len(json.loads(history.stdout)) == 2
+
+
+def test_import_of_a_missing_file_creates_no_registry(tmp_path: Path) -> None:
+    done = run_cli(
+        "import", str(tmp_path / "missing.json"), "--url", "sqlite:///x.sqlite", cwd=tmp_path
+    )
+    assert "cannot read export" in assert_one_line_error(done)
+    assert list(tmp_path.iterdir()) == []

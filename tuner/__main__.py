@@ -64,6 +64,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from tuner import run_directory
 from tuner.config import (
     ValidatedConfig,
     allowed_values,
@@ -90,14 +91,24 @@ _tracebacks_wanted = False
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def run_job(cfg: DictConfig) -> int:
-    """One Hydra job: validate the composed config, then plan or tune."""
+    """One Hydra job: validate the composed config, then plan or tune.
+
+    The run directory Hydra made for the job goes again when the job put
+    nothing in it (refused values, ``mode=plan``; see ``tuner.run_directory``).
+    """
+    refused = True
     try:
         status = dispatch(validate(typed_config(cfg)))
+        refused = False
     except TunerError as error:
         if _tracebacks_wanted:
             raise
         report(str(error))
         status = 1
+    finally:
+        job = run_directory.current()
+        if job is not None:
+            run_directory.remove_if_unused(*job, failed=refused)
     _job_statuses.append(status)
     if status != 0 and in_launcher_process():
         raise JobFailed(status, job_overrides())

@@ -50,6 +50,7 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
+from tuner.run_log import to_log_file
 from tuner.search import encoding_for, run_search, study_trials
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
@@ -77,6 +78,7 @@ def run(
 
     def say(line: str) -> None:
         print(line, file=out, flush=True)
+        to_log_file(line)
 
     choice = choose_backend(config.backend)
     gpu_plan = None if config.workers == 1 else plan_gpus(config.workers)
@@ -101,8 +103,9 @@ def run(
         storage_url = config.search.storage or default_storage_url(registry_url)
         _check_storage(storage_url, registry_url, shared=gpu_plan is not None)
         # Checked before the study is touched: a registry that cannot take the
-        # result is refused now, not after the search has spent its trials.
-        PlanRegistry.open(registry_url).close()
+        # result is refused now, not after the search has spent its trials. A new
+        # SQLite registry is created only when there is a plan to store.
+        PlanRegistry.check_writable(registry_url)
         storage = open_storage(
             storage_url,
             heartbeat_interval_s=config.search.heartbeat_interval_s,
