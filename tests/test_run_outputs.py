@@ -99,3 +99,48 @@ def test_a_used_run_directory_is_kept(tmp_path: Path, monkeypatch) -> None:
     (run_dir / "plot.png").unlink()
     assert remove_if_unused(run_dir, "tuner.log")
     assert list(tmp_path.iterdir()) == []  # the empty outputs/day/ went too
+
+
+def test_an_uncreatable_run_directory_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    done = tune(tmp_path, f"hydra.run.dir={blocker / 'run'}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: cannot create {blocker / 'run'}") and "hydra.run.dir" in line
+
+
+def test_a_removed_working_directory_is_one_line(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (
+        "import os, runpy, sys; os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
+        "sys.argv = ['tuner', *sys.argv[2:]]; runpy.run_module('tuner', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(gone), *SHAPE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        "error: the working directory no longer exists: cd to an existing directory and rerun"
+    )
+
+
+def test_a_launcher_without_its_scheduler_is_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    done = subprocess.run(
+        [sys.executable, "-m", "tuner", "-m", *SHAPE, "hydra/launcher=slurm_h200"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode == 0:
+        pytest.skip("srun is here: a SLURM cluster")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: hydra/launcher=slurm_h200 cannot run the sweep: ")
+    assert 'Could not detect "srun"' in line

@@ -87,6 +87,10 @@ _FULL_ERROR = "HYDRA_FULL_ERROR"
 _job_statuses: list[int] = []
 #: the user asked for tracebacks (HYDRA_FULL_ERROR=1 before we set it)
 _tracebacks_wanted = False
+#: jobs this process started (an error before the first is Hydra's set-up or the launcher's)
+_jobs_started = 0
+#: packages whose errors are a sweep launcher's (its scheduler missing, ...), not the tuner's
+_LAUNCHER_PACKAGES = ("submitit", "hydra_plugins", "joblib")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -96,6 +100,8 @@ def run_job(cfg: DictConfig) -> int:
     The run directory Hydra made for the job goes again when the job put
     nothing in it (refused values, ``mode=plan``; see ``tuner.run_directory``).
     """
+    global _jobs_started
+    _jobs_started += 1
     refused = True
     try:
         status = dispatch(validate(typed_config(cfg)))
@@ -133,8 +139,9 @@ def report(message: str) -> None:
 
 
 def main() -> int:
-    global _tracebacks_wanted
+    global _tracebacks_wanted, _jobs_started
     _job_statuses.clear()
+    _jobs_started = 0
     previous = os.environ.get(_FULL_ERROR)
     _tracebacks_wanted = previous == "1"
     os.environ[_FULL_ERROR] = "1"
@@ -151,6 +158,18 @@ def main() -> int:
     except KeyboardInterrupt:
         report("interrupted")
         return 130
+    except OSError as error:
+        # Before any job: Hydra could not create the run directory or its log, or
+        # the working directory is gone. Inside a job an OSError is a bug.
+        if _tracebacks_wanted or _jobs_started:
+            raise
+        report(describe_setup_error(error))
+        return 1
+    except Exception as error:
+        if _tracebacks_wanted or not _raised_by_launcher(error):
+            raise
+        report(describe_launcher_error(error, sys.argv[1:]))
+        return 1
     finally:
         restore(main_pid)
         if previous is None:
@@ -199,6 +218,39 @@ def describe_composition_error(error: Exception, arguments: Sequence[str]) -> st
     if allowed_values(key) is None:
         return unknown_key_message(key, text)
     return invalid_message(key, text)
+
+
+def describe_setup_error(error: OSError) -> str:
+    """One line for a file-system error Hydra met while setting up the run."""
+    if isinstance(error, FileNotFoundError) and error.filename is None:
+        return "the working directory no longer exists: cd to an existing directory and rerun"
+    where = error.filename or "the run directory"
+    return (
+        f"cannot create {where}: {error.strerror or error}; run from a writable directory "
+        "or set hydra.run.dir=<writable directory> (hydra.sweep.dir for -m)"
+    )
+
+
+def describe_launcher_error(error: Exception, arguments: Sequence[str]) -> str:
+    """One line for a sweep launcher that could not run the jobs (its scheduler is absent)."""
+    launcher = _given_values(arguments).get("hydra/launcher", "the launcher")
+    return (
+        f"hydra/launcher={launcher} cannot run the sweep: {_first_line(error)} "
+        "(leave hydra/launcher out to run the jobs here, one after another)"
+    )
+
+
+def _raised_by_launcher(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a launcher plugin or the scheduler client."""
+    traceback = error.__traceback__
+    innermost = None
+    while traceback is not None:
+        innermost = traceback.tb_frame
+        traceback = traceback.tb_next
+    if innermost is None:
+        return False
+    module = innermost.f_globals.get("__name__", "")
+    return module.split(".")[0] in _LAUNCHER_PACKAGES
 
 
 def _given_values(arguments: Sequence[str]) -> dict[str, str]:
