@@ -252,3 +252,13 @@ def test_composition_errors_are_described_in_one_line(overrides: list[str], line
     assert message.startswith(line)
     assert "\n" not in message
     assert "base_" not in message
+
+
+def test_help_lists_only_the_options_a_user_can_pick() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tuner", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "search: default, grid, random" in done.stdout
+    assert "backend: auto, model, pycuda, replay" in done.stdout
+    assert "base_" not in done.stdout

@@ -131,20 +131,17 @@ class TunerConfig:
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore, where ``tuner/conf/`` builds on them.
+    """Store the schema in Hydra's ConfigStore, where ``tuner/conf/`` builds on it.
 
-    ``tuner/conf/config.yaml`` starts from ``base_config`` and each group option from
-    its group's ``base_*`` schema, so Hydra type-checks YAML and overrides alike.
+    ``tuner/conf/config.yaml`` starts from ``base_config``; its typed sections
+    (``search: SearchConfig``, ...) type-check every group option merged into them,
+    and overrides alike. The sections are not stored as group options of their
+    own: ``--help`` would list them as choices (``search: base_search, ...``).
     Called on import: every composer of ``tuner/conf/`` imports this module first.
     """
     from hydra.core.config_store import ConfigStore
 
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=TunerConfig)
-    store.store(group="search", name="base_search", node=SearchConfig)
-    store.store(group="backend", name="base_backend", node=BackendConfig)
-    store.store(group="registry", name="base_registry", node=RegistryConfig)
-    store.store(group="device", name="base_device", node=DeviceConfig)
+    ConfigStore.instance().store(name="base_config", node=TunerConfig)
 
 
 register_configs()
