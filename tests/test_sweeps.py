@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import tuner.config  # noqa: F401  (registers the schemas conf/ builds on)
+import tuner.config  # noqa: F401  (registers the schema tuner/conf/ builds on)
 from db import PlanRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
