@@ -218,7 +218,7 @@ class ProblemSetup:
 def setup_problem(path: Path, index: int, cubins: str | None = None) -> ProblemSetup:
     """Space, compiler verdicts and predictions as ``tuner.app`` builds them.
 
-    The project's default axes and device profile (``conf/``'s h200); plans the
+    The project's default axes and device profile (``tuner/conf/``'s h200); plans the
     recording machine's compiler ruled out are dropped before the search, as
     ``tuner.app._candidates`` drops them for ``backend=replay``. With ``cubins``
     (a cubin cache; nvcc compiles what it lacks) the plans are also judged with

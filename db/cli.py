@@ -7,8 +7,9 @@
     python -m db import plans.json
     python -m db upgrade [--url URL]
 
-Every subcommand takes ``--url`` (default ``sqlite:///db/plans.sqlite``,
-relative to the working directory). Queries open the registry read-only. A
+Every subcommand takes ``--url`` (default: ``plans.sqlite`` in the per-user data
+directory, ``$FLASH_ATTENTION_TUNER_DATA_DIR`` or ``~/.local/share/flash-attention-tuner``,
+see ``tuner.data_dir``; the tuner writes there by default). Queries open the registry read-only. A
 database at an older schema revision is refused, by readers and writers, until
 ``upgrade`` is run on it. Exit status: 0 ok, 1 error (one line on stderr, never
 a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null).
@@ -20,12 +21,14 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
 from typing import Any, NoReturn
 
 from db import transfer
 from db.records import StoredPlan
 from db.registry import PlanRegistry, upgrade_registry
-from db.storage import DEFAULT_URL
+from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
 from tuner.problem import SUPPORTED_DTYPES, Problem
@@ -44,8 +47,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     common = _OneLineParser(add_help=False)
+    default_url = default_registry_url()
     common.add_argument(
-        "--url", default=DEFAULT_URL, help=f"SQLAlchemy URL (default {DEFAULT_URL})"
+        "--url", default=default_url, help=f"SQLAlchemy URL (default {default_url})"
     )
     common.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -55,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--batch", type=_positive, default=1)
     shape.add_argument("--heads", type=_positive, default=1)
     shape.add_argument("--causal", action="store_true")
-    shape.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32")
-    shape.add_argument("--gpu-name", help="restrict to one environment (with the fields below)")
+    shape.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
+    shape.add_argument(
+        "--gpu-name",
+        help="restrict to environments with this GPU (and the fields below, where given)",
+    )
     shape.add_argument("--compute-capability", default="")
     shape.add_argument("--sm-count", type=int, default=0)
     shape.add_argument("--driver-version", default="")
@@ -123,18 +130,23 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
     return Problem(args.seq_len, args.head_dim, args.batch, args.heads, args.causal, args.dtype)
 
 
-def _environment(args: argparse.Namespace) -> Environment | None:
-    if args.gpu_name is None:
+def _environment(args: argparse.Namespace) -> dict[str, object] | None:
+    """The environment fields given on the command line; a plan matches on those only.
+
+    Says on stderr which fields it matches on (stdout stays the answer, or JSON).
+    """
+    given: dict[str, object] = {
+        name: getattr(args, name)
+        for name in (f.name for f in fields(Environment))
+        if getattr(args, name) not in (None, "", 0)
+    }
+    if not given:
         return None
-    return Environment(
-        gpu_name=args.gpu_name,
-        compute_capability=args.compute_capability,
-        sm_count=args.sm_count,
-        driver_version=args.driver_version,
-        cuda_version=args.cuda_version,
-        nvcc_version=args.nvcc_version,
-        pycuda_version=args.pycuda_version,
-    )
+    shown = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    rest = len(fields(Environment)) - len(given)
+    note = f"; the other {rest} fields: any" if rest else ""
+    print(f"matching environments on {shown}{note}", file=sys.stderr)
+    return given
 
 
 def _source_hashes(args: argparse.Namespace) -> Mapping[str, str] | None:
@@ -178,8 +190,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else f"{args.url}: {before or 'new'} -> {after}")
         return 0
     if args.command == "import":
+        # Read (and checked) first: a missing or malformed export creates no registry.
+        entries = transfer.read_export(Path(args.path))
+        hashes = _source_hashes(args)
         with PlanRegistry.open(args.url) as registry:
-            summary = registry.import_(args.path, source_hashes=_source_hashes(args))
+            summary = registry.import_(args.path, source_hashes=hashes, entries=entries)
         result = {"added": summary.added, "skipped": summary.skipped}
         print(
             json.dumps(result)

@@ -57,7 +57,6 @@ EXACT_SHAPE_TERMS = (
     "q.batch = :batch",
     "q.heads = :heads",
 )
-ENVIRONMENT_TERMS = tuple(f"e.{name} = :env_{name}" for name in _ENVIRONMENT_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,20 +146,32 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
     return params
 
 
-def _environment_params(environment: Environment) -> dict[str, Any]:
-    return {f"env_{name}": value for name, value in environment.as_dict().items()}
+#: an environment to match: all of it, or only some of its fields (``{"gpu_name": ...}``)
+EnvironmentMatch = Environment | Mapping[str, Any]
+
+
+def _environment_filter(environment: EnvironmentMatch) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The WHERE terms and parameters matching ``environment`` (a partial one on its fields)."""
+    values = environment.as_dict() if isinstance(environment, Environment) else dict(environment)
+    unknown = set(values) - set(_ENVIRONMENT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown environment fields: {sorted(unknown)}")
+    names = [name for name in _ENVIRONMENT_FIELDS if name in values]
+    terms = tuple(f"e.{name} = :env_{name}" for name in names)
+    return terms, {f"env_{name}": values[name] for name in names}
 
 
 def best_pointers(
-    connection: Connection, problem: Problem, environment: Environment | None, *, exact: bool
+    connection: Connection, problem: Problem, environment: EnvironmentMatch | None, *, exact: bool
 ) -> list[FoundPlan]:
     """The best-pointer plans of ``problem`` (exact) or of its shape family (same
-    head_dim, dtype, causal), in ``environment`` or in any."""
+    head_dim, dtype, causal), in the environment(s) ``environment`` matches or in any."""
     where = EXACT_SHAPE_TERMS if exact else SHAPE_FAMILY_TERMS
     params = _problem_params(problem, exact=exact)
     if environment is not None:
-        where = (*where, *ENVIRONMENT_TERMS)
-        params |= _environment_params(environment)
+        terms, values = _environment_filter(environment)
+        where = (*where, *terms)
+        params |= values
     rows = connection.execute(_statement(where, join_best="inner"), params)
     return [_found(row) for row in rows]
 
@@ -194,7 +205,7 @@ def fastest_current_measured(
 def history(
     connection: Connection,
     problem: Problem | None,
-    environment: Environment | None,
+    environment: EnvironmentMatch | None,
     limit: int | None,
 ) -> list[FoundPlan]:
     """Recorded plans, newest first."""
@@ -204,8 +215,9 @@ def history(
         where += EXACT_SHAPE_TERMS
         params |= _problem_params(problem)
     if environment is not None:
-        where += ENVIRONMENT_TERMS
-        params |= _environment_params(environment)
+        terms, values = _environment_filter(environment)
+        where += terms
+        params |= values
     if limit is not None:
         params["limit"] = limit
     stmt = _statement(where, order_by="p.created_at DESC, p.id DESC", limited=limit is not None)

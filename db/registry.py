@@ -1,6 +1,6 @@
 """The plan registry: record tuned plans, serve the best one per problem x environment.
 
-    with PlanRegistry.open("sqlite:///db/plans.sqlite") as registry:
+    with PlanRegistry.open("sqlite:////srv/tuning/plans.sqlite") as registry:
         registry.record(problem, environment, plan)            # a tuning run
 
     registry = PlanRegistry.open(url, readonly=True)             # a deployment
@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 from db import ranking, reads, schema, storage, transfer, writes
 from db.cache import BestPlanCache
 from db.records import ImportSummary, PlanRecord, RecordOutcome, StoredPlan
+from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import RegistryError
 from tuner.problem import Problem
@@ -58,9 +59,12 @@ class PlanRegistry:
         self._cache = BestPlanCache(self.best)
 
     @classmethod
-    def open(cls, url: str = storage.DEFAULT_URL, readonly: bool = False) -> PlanRegistry:
-        """Open (a writer creates when missing) and check the schema revision."""
-        parsed = storage.parse_url(url)
+    def open(cls, url: str | None = None, readonly: bool = False) -> PlanRegistry:
+        """Open (a writer creates when missing) and check the schema revision.
+
+        ``url=None``: ``plans.sqlite`` in the per-user data directory (``tuner.data_dir``).
+        """
+        parsed = storage.parse_url(url or default_registry_url())
         label = storage.describe(parsed)
         engine = storage.create_registry_engine(parsed, readonly=readonly)
         try:
@@ -69,6 +73,24 @@ class PlanRegistry:
             engine.dispose()
             raise
         return cls(engine, label, readonly=readonly)
+
+    @classmethod
+    def check_writable(cls, url: str | None = None) -> None:
+        """Refuse now what ``open(url)`` and a write would refuse later, creating nothing.
+
+        A missing SQLite file is not created (a run that fails before it has a
+        plan must leave no empty registry behind): its directory must be
+        creatable and writable. An existing file, or a server, is opened and its
+        schema checked (read-only for a file).
+        """
+        parsed = storage.parse_url(url or default_registry_url())
+        path = storage.sqlite_file(parsed) if storage.is_sqlite(parsed) else None
+        if path is not None and not path.exists():
+            storage.check_creatable(path)
+            return
+        if path is not None:
+            storage.check_writable_file(path)
+        cls.open(url or default_registry_url(), readonly=path is not None).close()
 
     @property
     def url(self) -> str:
@@ -121,13 +143,19 @@ class PlanRegistry:
         )
 
     def import_(
-        self, path: str | Path, *, source_hashes: Mapping[str, str] | None = None
+        self,
+        path: str | Path,
+        *,
+        source_hashes: Mapping[str, str] | None = None,
+        entries: list[transfer.ExportedPlan] | None = None,
     ) -> ImportSummary:
         """Add the plans of an export, all or nothing; plans already present are skipped.
 
-        Each added plan goes through the same best rule as ``record``.
+        Each added plan goes through the same best rule as ``record``. ``entries``:
+        the export already read from ``path`` (``transfer.read_export``).
         """
-        entries = transfer.read_export(Path(path))
+        if entries is None:
+            entries = transfer.read_export(Path(path))
 
         def run(session: Session) -> ImportSummary:
             outcomes = []
@@ -152,14 +180,16 @@ class PlanRegistry:
     def best(
         self,
         problem: Problem,
-        environment: Environment | None = None,
+        environment: reads.EnvironmentMatch | None = None,
         *,
         nearest: bool = False,
         source_hashes: Mapping[str, str] | None = None,
     ) -> StoredPlan | None:
         """The plan to launch for ``problem``, or None when nothing fits.
 
-        ``environment=None`` considers every environment. The exact problem is
+        ``environment=None`` considers every environment; a mapping of some of an
+        ``Environment``'s fields (``{"gpu_name": "NVIDIA H200"}``) every environment
+        that has those values. The exact problem is
         served when tuned; else, with ``nearest``, the nearest tuned shape
         (``fallback=True``). See the module doc for the order.
         """
@@ -208,7 +238,7 @@ class PlanRegistry:
     def history(
         self,
         problem: Problem | None = None,
-        environment: Environment | None = None,
+        environment: reads.EnvironmentMatch | None = None,
         *,
         limit: int | None = DEFAULT_HISTORY_LIMIT,
         source_hashes: Mapping[str, str] | None = None,
@@ -297,12 +327,12 @@ def _serve_order(stored: StoredPlan) -> tuple[int, float, int]:
     return -tier, stored.record.ranking_ms, stored.plan_id
 
 
-def upgrade_registry(url: str = storage.DEFAULT_URL) -> tuple[str | None, str]:
-    """Create or upgrade the database at ``url`` to the newest schema revision.
+def upgrade_registry(url: str | None = None) -> tuple[str | None, str]:
+    """Create or upgrade the database at ``url`` (None: the default) to the newest revision.
 
     Returns (revision before or None for a new database, revision after).
     """
-    parsed = storage.parse_url(url)
+    parsed = storage.parse_url(url or default_registry_url())
     engine = storage.create_registry_engine(parsed, readonly=False)
     try:
         return schema.upgrade(engine, storage.describe(parsed))

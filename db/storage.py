@@ -50,9 +50,9 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from tuner.database_errors import database_message, missing_driver
 from tuner.errors import RegistryError
 
-DEFAULT_URL = "sqlite:///db/plans.sqlite"
 BUSY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5  # libpq's connect_timeout, whole seconds
 
@@ -89,9 +89,9 @@ class WriteConflict(RegistryError):
     """A write transaction lost a deadlock or serialization conflict; running it again is safe."""
 
 
-# Parsed once at import: checks the default, and compiles SQLAlchemy's URL
-# pattern (about 1 ms, done lazily otherwise) outside the cold-open path.
-_DEFAULT_PARSED = make_url(DEFAULT_URL)
+# Parsed once at import: compiles SQLAlchemy's URL pattern (about 1 ms, done
+# lazily otherwise) outside the cold-open path.
+_DEFAULT_PARSED = make_url("sqlite://")
 
 
 def parse_url(url: str) -> URL:
@@ -108,9 +108,7 @@ def describe(url: URL) -> str:
 
 def one_line(error: BaseException) -> str:
     """The driver's own message, on one line (SQLAlchemy appends SQL and links)."""
-    source = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
-    text = " ".join(str(source).split())
-    return text or type(source).__name__
+    return database_message(error)
 
 
 def is_sqlite(url: URL) -> bool:
@@ -141,7 +139,12 @@ def create_registry_engine(url: URL, *, readonly: bool) -> Engine:
         raise RegistryError(
             f"no database driver for {describe(url)} (for PostgreSQL install the 'postgres' extra)"
         ) from e
-    except (ArgumentError, ImportError) as e:
+    except ImportError as e:
+        driver = missing_driver(describe(url), e)
+        raise RegistryError(
+            f"cannot use registry URL {describe(url)}: {driver or one_line(e)}"
+        ) from e
+    except ArgumentError as e:
         raise RegistryError(f"cannot use registry URL {describe(url)}: {one_line(e)}") from e
     _install_sqlite_hooks(engine, writer=not readonly)
     return engine
@@ -162,6 +165,30 @@ def _server_engine(url: URL, *, readonly: bool) -> Engine:
     return create_engine(
         url, pool_pre_ping=True, connect_args=connect_args, execution_options=options
     )
+
+
+def check_creatable(path: Path) -> None:
+    """``RegistryError`` unless ``path`` (missing) could be created, creating nothing."""
+    if path.is_dir():
+        raise RegistryError(f"registry path {path} is a directory, not a database file")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise RegistryError(
+            f"cannot create directory {path.parent} for the plan registry: "
+            f"{ancestor} is not a directory"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise RegistryError(f"cannot create the plan registry {path}: {ancestor} is not writable")
+
+
+def check_writable_file(path: Path) -> None:
+    """``RegistryError`` unless the existing registry file ``path`` can be written."""
+    if path.is_dir():
+        raise RegistryError(f"registry path {path} is a directory, not a database file")
+    if not os.access(path, os.W_OK):
+        raise RegistryError(f"{path} is not writable; open the registry read-only instead")
 
 
 def _prepare_writable_file(path: Path) -> None:

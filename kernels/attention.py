@@ -43,7 +43,8 @@ from kernels.attention_args import (
     check_inputs,
     interface_device,
 )
-from kernels.plan_choice import DEFAULT_REGISTRY_FILE, ChosenPlan
+from kernels.plan_choice import ChosenPlan
+from tuner.data_dir import default_registry_file
 from tuner.environment import Environment
 from tuner.problem import Problem
 
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
     from kernels.backends.pycuda_attention import DeviceRunner
 
 __all__ = [
-    "DEFAULT_REGISTRY_FILE",
     "Attention",
     "AttentionInputError",
     "AttentionInputTypeError",
@@ -68,11 +68,12 @@ CACHE_DIR_VARIABLE = "FLASH_ATTENTION_TUNER_CUBIN_CACHE"
 class Attention:
     """A registry handle, caches and per-GPU state; call it like ``attention``.
 
-    ``registry``: None (``sqlite:///db/plans.sqlite`` when ``db/plans.sqlite`` exists in the
-    working directory, else none), a SQLAlchemy URL (opened read-only on first use), or an open
-    ``PlanRegistry`` (or anything with its ``cached_best``). ``nearest``: fall back to the
-    nearest tuned shape. ``cache_dir``: the cubin cache (default: the directory in
-    ``$FLASH_ATTENTION_TUNER_CUBIN_CACHE``, else the PyCUDA backend's).
+    ``registry``: None (the tuner's default registry, ``plans.sqlite`` in the per-user data
+    directory of ``tuner.data_dir``, when it exists, else none), a SQLAlchemy URL (opened
+    read-only on first use), or an open ``PlanRegistry`` (or anything with its
+    ``cached_best``). ``nearest``: fall back to the nearest tuned shape. ``cache_dir``: the
+    cubin cache (default: the directory in ``$FLASH_ATTENTION_TUNER_CUBIN_CACHE``, else the
+    PyCUDA backend's).
     """
 
     def __init__(
@@ -82,8 +83,9 @@ class Attention:
         nearest: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if registry is None and DEFAULT_REGISTRY_FILE.exists():
-            registry = f"sqlite:///{DEFAULT_REGISTRY_FILE.resolve().as_posix()}"
+        default_file = default_registry_file()
+        if registry is None and default_file.exists():
+            registry = f"sqlite:///{default_file.resolve().as_posix()}"
         self.registry_url = registry if isinstance(registry, str) else None
         self._registry = None if isinstance(registry, str) else registry
         self.nearest = nearest
@@ -153,7 +155,7 @@ def default_instance(
 ) -> Attention:
     """The shared ``Attention`` of a registry: one per URL (or handle) and ``nearest``.
 
-    For ``registry=None`` whether ``db/plans.sqlite`` exists is decided at the first call.
+    For ``registry=None`` whether the default registry file exists is decided at the first call.
     A handle is kept alive by its instance, so its ``id`` is never reused for another.
     """
     if registry is None:

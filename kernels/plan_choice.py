@@ -17,11 +17,11 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernels import build
 from tuner.costmodel import predict_time_ms
+from tuner.data_dir import default_registry_file
 from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 #: the deploy helper's logger: its users filter on this name, whichever module logs
 logger = logging.getLogger("kernels.attention")
 
-#: the file of ``db.DEFAULT_URL`` (sqlite:///db/plans.sqlite), relative to the working directory
-DEFAULT_REGISTRY_FILE = Path("db") / "plans.sqlite"
 #: default-plan candidates tried (best prediction first) before giving up on a shape
 DEFAULT_PLAN_TRIES = 16
 
@@ -139,7 +137,7 @@ class PlanChooser:
     def _lookup(self, problem: Problem) -> tuple[StoredPlan | None, str]:
         label = problem.label()
         if self.registry is None:
-            return None, f"no plan registry (none given, no {DEFAULT_REGISTRY_FILE} here)"
+            return None, f"no plan registry (none given, no {default_registry_file()})"
         ask = {"nearest": self.nearest, "source_hashes": self.source_hashes}
         found = self.registry.cached_best(problem, self.environment, **ask)
         if found is not None:

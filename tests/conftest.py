@@ -5,6 +5,10 @@ Tests that need it are marked ``@pytest.mark.postgres`` and take ``postgres_url`
 per test). Without PostgreSQL binaries or the psycopg driver they skip locally,
 but fail under CI (``CI`` set, as CI services do): a CI run must never pass by
 silently skipping them. ``.ci/install-postgres`` installs Debian's server.
+
+Every test runs with its own per-user data directory (``tuner.data_dir``), so
+nothing a test writes by default lands in the real one, and tests that start
+the CLI in a subprocess inherit it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,23 @@ import importlib.util
 import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
 from postgres_server import PostgresServer, PostgresUnavailable
 
+from tuner.data_dir import DATA_DIR_VARIABLE
+
 _database_numbers = itertools.count(1)
+
+
+@pytest.fixture(autouse=True)
+def private_data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> Path:
+    """The per-user data directory of this test: empty, never the real one."""
+    path = tmp_path_factory.mktemp("data") / "flash-attention-tuner"
+    monkeypatch.setenv(DATA_DIR_VARIABLE, str(path))
+    return path
 
 
 def in_ci() -> bool:

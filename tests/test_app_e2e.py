@@ -28,7 +28,7 @@ from tuner.config import typed_config, validate
 from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = ROOT / "conf"
+CONF_DIR = ROOT / "tuner" / "conf"
 FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 PROBLEM = Problem(512, 64)
 HEADER = "rank  plan"
@@ -116,6 +116,22 @@ def test_rerunning_the_same_command_continues_the_study(tmp_path, hydra_conf):
     assert len(keys) == 9 == len(set(keys)) and keys[:5] == first
     _, output = run_in_process(tmp_path, "backend=model", "search.n_trials=9", *urls(tmp_path))
     assert "n_trials=9 already reached" in output and len(evaluated_keys(tmp_path)) == 9
+    assert "study: continuing " in output and "(9 trials done of search.n_trials=9;" in output
+
+
+def test_another_sampler_starts_its_own_study(tmp_path, hydra_conf):
+    status, output = run_in_process(
+        tmp_path, "backend=model", "search=random", "search.n_trials=6", *urls(tmp_path)
+    )
+    assert status == 0 and "continuing" not in output
+    status, output = run_in_process(
+        tmp_path, "backend=model", "search=grid", "search.n_trials=4", *urls(tmp_path)
+    )
+    assert status == 0, output
+    assert "continuing" not in output and "already reached" not in output
+    assert "4 in this run" in output
+    names = optuna.get_all_study_names(f"sqlite:///{tmp_path / 's.sqlite'}")
+    assert sorted(name.rsplit("-", 1)[1] for name in names) == ["grid", "random"]
 
 
 def test_replay_run_serves_the_recording(tmp_path, hydra_conf):
@@ -139,7 +155,7 @@ GPU_RECORDING = ROOT / "bench" / "data" / "h200_1x1x4096x128.json"
 
 
 @pytest.mark.skipif(not GPU_RECORDING.exists(), reason="no H200 recording in bench/data")
-def test_replay_of_gpu_timings_is_stored_as_measured_under_the_recorded_sources(
+def test_replay_of_gpu_timings_is_stored_as_predicted_under_the_recorded_sources(
     tmp_path, hydra_conf
 ):
     (recording,) = load_recordings(GPU_RECORDING)
@@ -158,9 +174,11 @@ def test_replay_of_gpu_timings_is_stored_as_measured_under_the_recorded_sources(
     out = io.StringIO()
     assert run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out) == 0
     output = out.getvalue()
-    assert "results are GPU timings, stored as measured" in output.splitlines()[0]
+    # Timings recorded on another machine's GPU: never stored or served as measured here.
+    assert "stored as predicted" in output.splitlines()[0]
+    assert "replayed, stored as predicted" in output
     best = stored(tmp_path, Problem(4096, 128))
-    assert best is not None and best.record.measured
+    assert best is not None and not best.record.measured and not best.served_as_measured
     assert best.environment == recording.environment
     assert best.record.source_hash == recording.source_hashes[best.record.family]
     assert best.record.study_name.endswith("-replay")

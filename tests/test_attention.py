@@ -22,12 +22,13 @@ import pytest
 from test_pycuda_backend import FakeGpu, make_driver
 
 import kernels.attention as ka
-from db import DEFAULT_URL, PlanRecord, PlanRegistry
+from db import PlanRecord, PlanRegistry, default_registry_url
 from kernels import attention_args, build, plan_choice
 from kernels.backends import pycuda_attention
 from kernels.build import CompiledKernel, KernelSpec
 from kernels.reference import attention_reference
 from tuner.costmodel import predict_time_ms
+from tuner.data_dir import DATA_DIR_VARIABLE
 from tuner.device import H200
 from tuner.environment import Environment
 from tuner.errors import BackendError, TunerError
@@ -383,7 +384,7 @@ def test_an_empty_registry_gives_the_default_plan_and_one_warning_per_shape(
 def test_no_registry_gives_the_default_plan(caplog) -> None:
     chosen = chooser(None).plan_for(PROBLEM)
     assert chosen.origin == "default"
-    assert warnings_of(caplog)[0].startswith("no plan registry (none given, no db")
+    assert warnings_of(caplog)[0].startswith("no plan registry (none given, no /")
 
 
 @pytest.mark.parametrize(
@@ -458,7 +459,7 @@ def test_the_registry_is_asked_once_per_shape(registry) -> None:
 
 
 def test_default_instances_per_registry(tmp_path: Path, monkeypatch) -> None:
-    assert f"sqlite:///{ka.DEFAULT_REGISTRY_FILE.as_posix()}" == DEFAULT_URL
+    monkeypatch.setenv(DATA_DIR_VARIABLE, str(tmp_path / "data"))
     monkeypatch.setattr(ka, "_instances", {})
     monkeypatch.chdir(tmp_path)
     first = ka.default_instance()
@@ -468,10 +469,11 @@ def test_default_instances_per_registry(tmp_path: Path, monkeypatch) -> None:
     assert ka.default_instance(url) is ka.default_instance(url) is not first
     handle = object()
     assert ka.default_instance(handle)._registry is handle  # type: ignore[arg-type]
-    PlanRegistry.open(DEFAULT_URL).close()  # now db/plans.sqlite exists here
+    PlanRegistry.open(default_registry_url()).close()  # the tuner's default registry exists now
     found = ka.Attention()
-    expected = (tmp_path / "db" / "plans.sqlite").resolve().as_posix()
+    expected = (tmp_path / "data" / "plans.sqlite").resolve().as_posix()
     assert found.registry_url == f"sqlite:///{expected}"
+    assert not (tmp_path / "db").exists()  # nothing in the working directory
 
 
 # ------------------------------------------------------------------------ on the fake driver

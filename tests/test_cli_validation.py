@@ -23,7 +23,7 @@ import tuner.__main__ as entry
 from tuner.config import ValidatedConfig
 from tuner.errors import RegistryError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "tuner" / "conf"
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,16 @@ def test_user_s_hydra_full_error_brings_tracebacks_back(
         (["foo=1"], "foo=1 is invalid: no such key; allowed: seq_len, head_dim,"),
         (["search.n_trials=1.5"], "search.n_trials=1.5 is invalid: must be an integer >= 1"),
         (["backend.flush_l2=maybe"], "backend.flush_l2=maybe is invalid: must be true or false"),
-        (["registry.url=null"], "registry.url=null is invalid: must be a SQLAlchemy URL"),
+        (
+            ["serach.n_trials=5"],
+            "serach.n_trials=5 is invalid: no such key (did you mean search.n_trials?); allowed:",
+        ),
+        (
+            ["search.n_trails=5"],
+            "search.n_trails=5 is invalid: search has no key 'n_trails' "
+            "(did you mean search.n_trials?); allowed: sampler,",
+        ),
+        (["seqlen=5"], "seqlen=5 is invalid: no such key (did you mean seq_len?)"),
         (["search=annealing"], "search=annealing is invalid: no such search option; allowed:"),
         (["device=a100"], "device=a100 is invalid: no such device option; allowed: h200"),
     ],
@@ -257,3 +266,13 @@ def test_composition_errors_are_described_in_one_line(overrides: list[str], line
     assert message.startswith(line)
     assert "\n" not in message
     assert "base_" not in message
+
+
+def test_help_lists_only_the_options_a_user_can_pick() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tuner", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "search: default, grid, random" in done.stdout
+    assert "backend: auto, model, pycuda, replay" in done.stdout
+    assert "base_" not in done.stdout

@@ -38,7 +38,7 @@ from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import SpaceAxes, candidate_space
 from tuner.problem import Problem
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "tuner" / "conf"
 SHAPE = ("seq_len=4096", "head_dim=128")
 
 
@@ -75,7 +75,7 @@ def test_defaults_compose_to_the_schema_defaults() -> None:
     assert (config.mode, config.plan_rows) == ("tune", 20)
     assert config.search == SearchConfig()
     assert config.backend == BackendConfig()
-    assert config.registry == RegistryConfig(url="sqlite:///db/plans.sqlite")
+    assert config.registry == RegistryConfig(url=None)  # validate() resolves the data directory
     assert config.device == DeviceConfig()
 
 

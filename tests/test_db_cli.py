@@ -120,11 +120,14 @@ def test_list_history_export_import(url: str, tmp_path: Path) -> None:
     assert json.loads(again.stdout) == {"added": 0, "skipped": 2}
 
 
-def test_default_url_is_relative_to_the_working_directory(tmp_path: Path) -> None:
+def test_default_url_is_the_per_user_data_directory(tmp_path: Path, private_data_dir) -> None:
     created = run_cli("upgrade", cwd=tmp_path)
     assert created.returncode == 0, created.stderr
-    assert (tmp_path / "db" / "plans.sqlite").is_file()
+    assert (private_data_dir / "plans.sqlite").is_file()
+    assert list(tmp_path.iterdir()) == []  # nothing in the working directory
     assert run_cli("list", cwd=tmp_path).stdout == ""
+    helped = "".join(run_cli("list", "--help", cwd=tmp_path).stdout.split())  # argparse wraps
+    assert str(private_data_dir / "plans.sqlite") in helped
 
 
 def test_upgrade_migrates_the_frozen_0001_file(tmp_path: Path) -> None:
@@ -176,3 +179,30 @@ def test_every_error_is_one_line_on_stderr_and_exits_non_zero(
     assert status not in (0, None)
     stderr = capsys.readouterr().err.strip().splitlines()
     assert len(stderr) == 1 and "error" in stderr[0]
+
+
+def test_a_partial_environment_matches_on_the_fields_given(url: str, tmp_path: Path) -> None:
+    shape = ("--seq-len=1024", "--head-dim=64", "--url", url)
+    found = run_cli("best", *shape, "--gpu-name", "NVIDIA H200", cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    assert "on NVIDIA H200: tiled tile_size=32" in found.stdout
+    assert found.stderr.strip() == (
+        "matching environments on gpu_name='NVIDIA H200'; the other 6 fields: any"
+    )
+    narrower = run_cli(
+        "best", *shape, "--gpu-name", "NVIDIA H200", "--sm-count", "132", "--json", cwd=tmp_path
+    )
+    assert json.loads(narrower.stdout)["environment"]["gpu_name"] == "NVIDIA H200"
+    assert "gpu_name='NVIDIA H200', sm_count=132; the other 5" in narrower.stderr
+    other = run_cli("best", *shape, "--gpu-name", "NVIDIA H100", cwd=tmp_path)
+    assert other.returncode == 3 and "no plan for 1x1x1024x64" in other.stdout
+    history = run_cli("history", "--url", url, "--gpu-name", "NVIDIA H200", "--json", cwd=tmp_path)
+    assert len(json.loads(history.stdout)) == 2
+
+
+def test_import_of_a_missing_file_creates_no_registry(tmp_path: Path) -> None:
+    done = run_cli(
+        "import", str(tmp_path / "missing.json"), "--url", "sqlite:///x.sqlite", cwd=tmp_path
+    )
+    assert "cannot read export" in assert_one_line_error(done)
+    assert list(tmp_path.iterdir()) == []

@@ -14,7 +14,7 @@ from tuner.config import TunerConfig, validate
 from tuner.costmodel import predict_time_ms
 from tuner.device import H200
 from tuner.dry_run import print_plan_space, rank_by_prediction
-from tuner.planner.space import candidate_space
+from tuner.planner.space import CandidateSpace, candidate_space
 from tuner.problem import Problem
 
 TABLE_ROW = re.compile(r"^\s+\d+\s+(scalar_online|tiled)/\S+\s+\d+x\d+x\d+\s")
@@ -62,6 +62,19 @@ def test_plan_mode_prints_feasible_candidates_and_rejections(
     for kind, count in space.rejection_counts().items():
         assert re.search(rf"^\s+{count}\s+{re.escape(kind)}\s", out, re.MULTILINE), kind
     assert not list(tmp_path.rglob("*.sqlite"))
+
+
+def test_rejection_kinds_read_as_sentences_with_numbers_as_n() -> None:
+    space = candidate_space(Problem(4096, 128), H200)
+    kinds = set(space.rejection_counts())
+    assert "shared memory N B exceeds the device's per-block opt-in limit N B" in kinds
+    assert (
+        "no thread layout: N threads cannot split N rows x N keys x N columns evenly "
+        "into row groups of at most a warp"
+    ) in kinds
+    for plan in space.rejected:  # each kind is its reasons with the numbers as N
+        (kind,) = CandidateSpace(feasible=(), rejected=(plan,)).rejection_counts()
+        assert kind == re.sub(r"\b\d+\b", "N", plan.reason)
 
 
 def test_plan_rows_limits_the_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,7 @@ def torch() -> Any:
 
 @pytest.fixture
 def no_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # no db/plans.sqlite here, so registry=None means none
+    monkeypatch.chdir(tmp_path)  # conftest: an empty data directory, so registry=None is none
 
 
 def say(capsys: pytest.CaptureFixture[str], line: str) -> None:

@@ -40,7 +40,7 @@ from tuner.config import typed_config, validate
 from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
+CONF_DIR = ROOT / "tuner" / "conf"
 FROZEN_0001 = ROOT / "tests" / "data" / "registry_0001.sqlite"
 REPLAY_FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 PROBLEM = Problem(512, 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from kernels.backends.base import Backend, Measurement
 from kernels.backends.replay import ReplayBackend, load_recordings
 from tuner.config import SearchConfig
 from tuner.costmodel import predict, rank_correlation
+from tuner.data_dir import DATA_DIR_VARIABLE
 from tuner.device import H200
 from tuner.environment import Environment
 from tuner.planner import SpaceAxes, candidate_space
@@ -291,12 +293,16 @@ def test_study_names_change_with_the_environment_and_the_kernel_source():
     assert study_name(problem, newer, hashes) != name
     assert study_name(Problem(4096, 128, causal=True), environment, hashes) != name
     assert study_name(problem, environment, hashes, "replay") == f"{name}-replay"
+    assert name.endswith("-tpe")  # the sampler is part of a study's identity
+    assert study_name(problem, environment, hashes, sampler="random") == f"{name[:-4]}-random"
 
 
 def test_the_default_storage_sits_next_to_the_registry():
     assert default_storage_url("sqlite:////tmp/x/r.sqlite") == "sqlite:////tmp/x/studies.sqlite"
     assert default_storage_url("sqlite:///db/plans.sqlite") == "sqlite:///db/studies.sqlite"
-    assert default_storage_url("postgresql://u:p@h/db") == "sqlite:///studies.sqlite"
+    # A registry on a server: the studies go to the per-user data directory (conftest's).
+    data = Path(os.environ[DATA_DIR_VARIABLE])
+    assert default_storage_url("postgresql://u:p@h/db") == f"sqlite:///{data / 'studies.sqlite'}"
 
 
 # ---------------------------------------------------------------- on recorded GPU data

@@ -36,7 +36,7 @@ FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 
 @pytest.fixture(scope="module")
 def hydra_conf() -> Iterator[None]:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "tuner" / "conf"), version_base="1.3"):
         yield
 
 

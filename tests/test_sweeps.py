@@ -11,16 +11,44 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import tuner.config  # noqa: F401  (registers the schemas conf/ builds on)
+import tuner.config  # noqa: F401  (registers the schema tuner/conf/ builds on)
 from db import PlanRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 SHAPES = {(s, d) for s in (1024, 2048, 4096) for d in (64, 128)}
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported; False also when its parent package is absent
+    (``find_spec("a.b")`` imports ``a`` and raises ModuleNotFoundError without it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 needs_joblib = pytest.mark.skipif(
-    importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+    not installed("hydra_plugins.hydra_joblib_launcher"),
     reason="hydra-joblib-launcher is not installed (pip install -e '.[sweep]')",
 )
+#: Runs Python with every ``hydra_plugins`` module missing, as without the sweep extra.
+WITHOUT_PLUGINS = """
+import sys
+
+
+class HidePlugins:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "hydra_plugins":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, HidePlugins())
+import pytest
+
+sys.exit(pytest.main(sys.argv[1:]))
+"""
 
 
 def sweep(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
@@ -105,9 +133,32 @@ def test_a_failed_joblib_job_makes_the_sweep_fail(tmp_path):
     assert stored_shapes(tmp_path) == {(512, 64)}  # the good job ran and stored its plan
 
 
+def test_installed_is_false_when_the_parent_package_is_missing():
+    assert installed("importlib.util")
+    assert not installed("no_such_package_anywhere.launcher")
+
+
+@pytest.mark.slow
+def test_the_suite_collects_and_skips_without_the_launcher_plugins():
+    def without_plugins(*arguments: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", WITHOUT_PLUGINS, "-p", "no:cacheprovider", *arguments],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    collected = without_plugins("--collect-only", "-q", "tests")
+    assert collected.returncode == 0, collected.stdout[-3000:]
+    ran = without_plugins("-q", "-rs", "tests/test_sweeps.py", "-k", "joblib or slurm")
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    assert "3 skipped" in ran.stdout and "hydra-joblib-launcher is not installed" in ran.stdout
+
+
 def test_the_slurm_launcher_config_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "tuner" / "conf"), version_base="1.3"):
         cfg = compose(
             config_name="config",
             overrides=[

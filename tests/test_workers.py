@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import threading
 import time
@@ -44,7 +45,7 @@ FIXTURE = ROOT / "tests" / "data" / "replay_model_512x64.json"
 
 @pytest.fixture(scope="module")
 def hydra_conf() -> Iterator[None]:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "tuner" / "conf"), version_base="1.3"):
         yield
 
 
@@ -354,3 +355,47 @@ def test_ctrl_c_reaches_every_worker_and_the_best_so_far_is_stored(tmp_path):
         if isinstance(t.user_attrs.get("claim"), list)
     }
     assert len(owners) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in owners)
+
+
+def test_ctrl_c_while_the_workers_start_is_one_clean_interrupt(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group; workers still importing must
+    neither print a traceback nor be reported as dead."""
+    import os
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tuner",
+            "seq_len=4096",
+            "head_dim=128",
+            "backend=model",
+            "workers=2",
+            "search.n_trials=400",
+            f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
+            f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("workers:"):  # printed just before the workers start
+                break
+        time.sleep(0.2)  # the spawned interpreters are importing now
+        os.killpg(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert " died (" not in stdout and not re.search(r"worker \d+ failed", stdout), stdout

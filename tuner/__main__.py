@@ -4,7 +4,7 @@ Any error the user can fix is printed as one line, ``error: <message>``, on
 stderr, and the run exits with status 1, writing nothing. There are
 three sources of such errors:
 
-* Hydra's composition of ``conf/`` (unknown key, unknown group option, a value
+* Hydra's composition of ``tuner/conf/`` (unknown key, unknown group option, a value
   a typed field cannot take, a malformed override). Hydra's ``run_and_report``
   would print these over several lines with a hint about ``HYDRA_FULL_ERROR``;
   with that variable set to 1 it re-raises them instead, so ``main`` sets it
@@ -29,11 +29,42 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+
+def _drop_working_directory() -> None:
+    """Take the working directory off ``sys.path`` unless the tuner runs from there.
+
+    ``python -m`` puts it first; a ``db/`` or ``kernels/`` directory of the user's
+    there (an old run's ``db/plans.sqlite``, say) would then shadow the installed
+    package of that name. Kept when the packages themselves live there (a checkout
+    run in place).
+    """
+    here = Path(__file__).resolve().parent.parent
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the working directory was removed: it can shadow nothing
+        cwd = None
+    if cwd == here:
+        return
+    sys.path[:] = [
+        entry for entry in sys.path if entry != "" and (cwd is None or _resolved(entry) != cwd)
+    ]
+
+
+def _resolved(entry: str) -> Path | None:
+    try:
+        return Path(entry).resolve()
+    except OSError:
+        return None
+
+
+_drop_working_directory()
+
 import hydra
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from tuner import run_directory
 from tuner.config import (
     ValidatedConfig,
     allowed_values,
@@ -47,27 +78,43 @@ from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
 from tuner.sweeps import JobFailed, in_launcher_process, job_overrides, mark_main_process, restore
 
-#: ``../conf``, made absolute: Hydra resolves a relative path against the file only when this
-#: module runs as ``__main__``; imported (a console script, a test) it would look for a
-#: ``conf`` package instead.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+#: ``tuner/conf``, shipped inside the package (package data), made absolute: Hydra resolves a
+#: relative path against the file only when this module runs as ``__main__``; imported (a
+#: console script, a test) it would look for a ``conf`` package instead.
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 #: exit status of each job this process ran (several under ``--multirun``)
 _job_statuses: list[int] = []
 #: the user asked for tracebacks (HYDRA_FULL_ERROR=1 before we set it)
 _tracebacks_wanted = False
+#: jobs this process started (an error before the first is Hydra's set-up or the launcher's)
+_jobs_started = 0
+#: packages whose errors are a sweep launcher's (its scheduler missing, ...), not the tuner's
+_LAUNCHER_PACKAGES = ("submitit", "hydra_plugins", "joblib")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def run_job(cfg: DictConfig) -> int:
-    """One Hydra job: validate the composed config, then plan or tune."""
+    """One Hydra job: validate the composed config, then plan or tune.
+
+    The run directory Hydra made for the job goes again when the job put
+    nothing in it (refused values, ``mode=plan``; see ``tuner.run_directory``).
+    """
+    global _jobs_started
+    _jobs_started += 1
+    refused = True
     try:
         status = dispatch(validate(typed_config(cfg)))
+        refused = False
     except TunerError as error:
         if _tracebacks_wanted:
             raise
         report(str(error))
         status = 1
+    finally:
+        job = run_directory.current()
+        if job is not None:
+            run_directory.remove_if_unused(*job, failed=refused)
     _job_statuses.append(status)
     if status != 0 and in_launcher_process():
         raise JobFailed(status, job_overrides())
@@ -92,8 +139,9 @@ def report(message: str) -> None:
 
 
 def main() -> int:
-    global _tracebacks_wanted
+    global _tracebacks_wanted, _jobs_started
     _job_statuses.clear()
+    _jobs_started = 0
     previous = os.environ.get(_FULL_ERROR)
     _tracebacks_wanted = previous == "1"
     os.environ[_FULL_ERROR] = "1"
@@ -110,6 +158,18 @@ def main() -> int:
     except KeyboardInterrupt:
         report("interrupted")
         return 130
+    except OSError as error:
+        # Before any job: Hydra could not create the run directory or its log, or
+        # the working directory is gone. Inside a job an OSError is a bug.
+        if _tracebacks_wanted or _jobs_started:
+            raise
+        report(describe_setup_error(error))
+        return 1
+    except Exception as error:
+        if _tracebacks_wanted or not _raised_by_launcher(error):
+            raise
+        report(describe_launcher_error(error, sys.argv[1:]))
+        return 1
     finally:
         restore(main_pid)
         if previous is None:
@@ -143,6 +203,12 @@ def describe_composition_error(error: Exception, arguments: Sequence[str]) -> st
         return _first_line(error)
     key = re.sub(r"(\[\d+\])+$", "", full_key)
     given = _given_values(arguments)
+    if allowed_values(key) is None and key not in given:
+        # An unknown section (``serach.n_trials=5``): Hydra names the section only;
+        # the user wrote, and may have misspelt, the whole key.
+        written = next((k for k in given if k.startswith(f"{key}.")), None)
+        if written is not None:
+            return unknown_key_message(written, given[written])
     value = getattr(cause, "value", None)
     # A list element's value alone would misquote the list the user wrote.
     if key != full_key or value is None:
@@ -152,6 +218,39 @@ def describe_composition_error(error: Exception, arguments: Sequence[str]) -> st
     if allowed_values(key) is None:
         return unknown_key_message(key, text)
     return invalid_message(key, text)
+
+
+def describe_setup_error(error: OSError) -> str:
+    """One line for a file-system error Hydra met while setting up the run."""
+    if isinstance(error, FileNotFoundError) and error.filename is None:
+        return "the working directory no longer exists: cd to an existing directory and rerun"
+    where = error.filename or "the run directory"
+    return (
+        f"cannot create {where}: {error.strerror or error}; run from a writable directory "
+        "or set hydra.run.dir=<writable directory> (hydra.sweep.dir for -m)"
+    )
+
+
+def describe_launcher_error(error: Exception, arguments: Sequence[str]) -> str:
+    """One line for a sweep launcher that could not run the jobs (its scheduler is absent)."""
+    launcher = _given_values(arguments).get("hydra/launcher", "the launcher")
+    return (
+        f"hydra/launcher={launcher} cannot run the sweep: {_first_line(error)} "
+        "(leave hydra/launcher out to run the jobs here, one after another)"
+    )
+
+
+def _raised_by_launcher(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a launcher plugin or the scheduler client."""
+    traceback = error.__traceback__
+    innermost = None
+    while traceback is not None:
+        innermost = traceback.tb_frame
+        traceback = traceback.tb_next
+    if innermost is None:
+        return False
+    module = innermost.f_globals.get("__name__", "")
+    return module.split(".")[0] in _LAUNCHER_PACKAGES
 
 
 def _given_values(arguments: Sequence[str]) -> dict[str, str]:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from optuna.storages import BaseStorage
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from tqdm import tqdm
@@ -39,6 +40,7 @@ from kernels.backends import Backend, BackendChoice, BackendFactory, choose_back
 from tuner import plots, report
 from tuner.config import ValidatedConfig, space_axes_from
 from tuner.costmodel import predict
+from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError, ConfigError
@@ -49,7 +51,8 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
-from tuner.search import encoding_for, run_search
+from tuner.run_log import to_log_file
+from tuner.search import encoding_for, run_search, study_trials
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
@@ -72,9 +75,11 @@ def run(
     """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored)."""
     out = out or sys.stdout
     config, problem = validated.config, validated.problem
+    registry_url = config.registry.url or default_registry_url()  # validate() resolved it
 
     def say(line: str) -> None:
         print(line, file=out, flush=True)
+        to_log_file(line)
 
     choice = choose_backend(config.backend)
     gpu_plan = None if config.workers == 1 else plan_gpus(config.workers)
@@ -93,12 +98,15 @@ def run(
         hashes = _source_hashes(choice, backend, problem)
         # A replay is a simulation of a GPU run: its own study, never the GPU's.
         variant = "replay" if choice.name == "replay" else ""
-        name = config.search.study_name or study_name(problem, environment, hashes, variant)
-        storage_url = config.search.storage or default_storage_url(config.registry.url)
-        _check_storage(storage_url, config.registry.url, shared=gpu_plan is not None)
+        name = config.search.study_name or study_name(
+            problem, environment, hashes, variant, sampler=config.search.sampler
+        )
+        storage_url = config.search.storage or default_storage_url(registry_url)
+        _check_storage(storage_url, registry_url, shared=gpu_plan is not None)
         # Checked before the study is touched: a registry that cannot take the
-        # result is refused now, not after the search has spent its trials.
-        PlanRegistry.open(config.registry.url).close()
+        # result is refused now, not after the search has spent its trials. A new
+        # SQLite registry is created only when there is a plan to store.
+        PlanRegistry.check_writable(registry_url)
         storage = open_storage(
             storage_url,
             heartbeat_interval_s=config.search.heartbeat_interval_s,
@@ -109,6 +117,13 @@ def run(
             f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
             f"{len(rejected)} rejected; optuna-dashboard {shown} shows it)"
         )
+        done = _trials_done(storage, name)
+        if done is not None:
+            say(
+                f"study: continuing {name} ({done} trials done of "
+                f"search.n_trials={config.search.n_trials}; search.study_name=<new name> "
+                "starts another)"
+            )
         space = StudySpace(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
         )
@@ -155,7 +170,7 @@ def run(
     say(report.best_table(result, TOP_ROWS))
     for line in report.summary_lines(result):
         say(line)
-    say(_store_best(result, problem, environment, hashes, config.registry.url))
+    say(_store_best(result, problem, environment, hashes, registry_url, replayed=variant != ""))
     say(_write_plots(result, problem, output_dir))
     if result.interrupted:
         return EXIT_INTERRUPTED
@@ -227,10 +242,21 @@ def _same_database(a: Any, b: Any) -> bool:
     return all(getattr(a, part) == getattr(b, part) for part in where)
 
 
+def _trials_done(storage: BaseStorage, name: str) -> int | None:
+    """The trials that count in the study ``name`` already; None when there is no such study."""
+    if name not in {summary.study_name for summary in storage.get_all_studies()}:
+        return None
+    return sum(1 for trial in study_trials(storage, name) if trial.counted)
+
+
 def _measures_on_a_gpu(choice: BackendChoice, backend: Backend) -> bool:
-    if choice.name == "pycuda":
-        return True
-    return bool(getattr(backend, "measured", False))
+    """Whether this run's timings are stored as measured: only PyCUDA's, taken here.
+
+    A replay serves GPU timings recorded elsewhere (another GPU, perhaps one this
+    machine does not have): stored as predicted, so ``db best`` never serves them
+    as measured on the recording's GPU.
+    """
+    return choice.name == "pycuda"
 
 
 def _device_profile(
@@ -301,15 +327,26 @@ def _store_best(
     environment: Environment,
     source_hashes: Mapping[str, str],
     registry_url: str,
+    *,
+    replayed: bool = False,
 ) -> str:
     best = result.best
     if best is None:
         return "registry: nothing stored (no candidate produced a time)"
     record = plan_record(best, source_hashes, result.study_name)
+    if replayed:
+        # Recorded timings replayed here are not a measurement on this machine.
+        record = dataclasses.replace(record, measured=False)
     with PlanRegistry.open(registry_url) as registry:
         outcome = registry.record(problem, environment, record, source_hashes=source_hashes)
         where = registry.url
-    kind = "measured" if record.measured else "predicted"
+    kind = (
+        "measured"
+        if record.measured
+        else "replayed, stored as predicted"
+        if replayed
+        else "predicted"
+    )
     so_far = "best so far " if result.interrupted else ""
     return (
         f"registry: {so_far}{best.key} ({best.median_ms:.4f} ms, {kind}) stored in {where} "
@@ -370,23 +407,40 @@ def _hydra_run_directory() -> Path | None:
 
 
 class _ProgressBar:
-    """A tqdm bar on stderr over the trials that count, with the best time so far."""
+    """A tqdm bar on stderr over the trials that count, with the best time so far.
 
-    def __init__(self, desc: str = "trials") -> None:
+    Not on a terminal (CI logs, a pipe) a bar would be noise: a line every tenth of
+    the trials instead (``trials: 12/40, best 0.2431 ms``), and one at the end.
+    """
+
+    def __init__(self, desc: str = "trials", stream: TextIO | None = None) -> None:
         self.bar: tqdm | None = None
         self.best = float("inf")
         self.desc = desc
+        self.stream = stream or sys.stderr
+        self.lines = not _is_terminal(self.stream)
+        self.done = self.total = self.every = 0
 
     def start(self, done: int, total: int) -> None:
+        if self.lines:
+            self.done, self.total = done, total
+            self.every = max(1, (total - done + 9) // 10)
+            return
         self.bar = tqdm(
-            total=total, initial=done, desc=self.desc, unit="trial", file=sys.stderr, disable=None
+            total=total, initial=done, desc=self.desc, unit="trial", file=self.stream, disable=None
         )
 
     def __call__(self, trial: TrialOutcome) -> None:
-        if self.bar is None or not trial.counted:
+        if not trial.counted or (self.bar is None and not self.total):
             return
         if trial.median_ms is not None:
             self.best = min(self.best, trial.median_ms)
+        if self.bar is None:
+            self.done += 1
+            if self.done % self.every == 0 or self.done >= self.total:
+                best = f", best {self.best:.4f} ms" if self.best < float("inf") else ""
+                print(f"{self.desc}: {self.done}/{self.total}{best}", file=self.stream, flush=True)
+            return
         self.bar.update(1)
         if self.best < float("inf"):
             self.bar.set_postfix_str(f"best {self.best:.4f} ms", refresh=False)
@@ -397,3 +451,10 @@ class _ProgressBar:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False

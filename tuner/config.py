@@ -1,21 +1,23 @@
 """Typed configuration: the dataclass schemas Hydra composes into.
 
-``conf/`` holds the YAML that builds on these schemas; ``tuner.__main__``
+``tuner/conf/`` holds the YAML that builds on these schemas; ``tuner.__main__``
 converts the composed config with ``OmegaConf.to_object`` once, validates it
 with ``validate``, and the rest of the code sees only these dataclasses.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.errors import ConfigError
 from tuner.planner.errors import PlanError
@@ -82,7 +84,8 @@ class BackendConfig:
 
 @dataclass
 class RegistryConfig:
-    url: str = "sqlite:///db/plans.sqlite"
+    #: any SQLAlchemy URL; null: plans.sqlite in the per-user data directory (tuner.data_dir)
+    url: str | None = None
 
 
 @dataclass
@@ -135,20 +138,17 @@ class TunerConfig:
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore, where ``conf/`` builds on them.
+    """Store the schema in Hydra's ConfigStore, where ``tuner/conf/`` builds on it.
 
-    ``conf/config.yaml`` starts from ``base_config`` and each group option from
-    its group's ``base_*`` schema, so Hydra type-checks YAML and overrides alike.
-    Called on import: every composer of ``conf/`` imports this module first.
+    ``tuner/conf/config.yaml`` starts from ``base_config``; its typed sections
+    (``search: SearchConfig``, ...) type-check every group option merged into them,
+    and overrides alike. The sections are not stored as group options of their
+    own: ``--help`` would list them as choices (``search: base_search, ...``).
+    Called on import: every composer of ``tuner/conf/`` imports this module first.
     """
     from hydra.core.config_store import ConfigStore
 
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=TunerConfig)
-    store.store(group="search", name="base_search", node=SearchConfig)
-    store.store(group="backend", name="base_backend", node=BackendConfig)
-    store.store(group="registry", name="base_registry", node=RegistryConfig)
-    store.store(group="device", name="base_device", node=DeviceConfig)
+    ConfigStore.instance().store(name="base_config", node=TunerConfig)
 
 
 register_configs()
@@ -210,7 +210,7 @@ def _text(*, optional: bool = False) -> Rule:
 
 
 def _url(*, optional: bool = False) -> Rule:
-    allowed = "a SQLAlchemy URL such as sqlite:///db/plans.sqlite" + (
+    allowed = "a SQLAlchemy URL such as sqlite:////path/to/plans.sqlite" + (
         " or null" if optional else ""
     )
     return Rule(allowed, lambda v: (optional and v is None) or _is_url(v))
@@ -316,7 +316,7 @@ RULES: dict[str, Rule] = {
     "backend.cache_dir": _text(),
     "backend.isolate": _BOOL,
     "backend.compile_jobs": _int_in(0),
-    "registry.url": _url(),
+    "registry.url": _url(optional=True),
     "device.profile": _text(),
     "device.name": _text(),
     "device.compute_capability": Rule(
@@ -366,11 +366,31 @@ def invalid_message(key: str, value_text: str) -> str:
 
 def unknown_key_message(key: str, value_text: str) -> str:
     section, _, name = key.rpartition(".")
+    closest = closest_key(key)
+    hint = f" (did you mean {closest}?)" if closest else ""
     if section in SECTIONS:
         known = ", ".join(f.name for f in fields(SECTIONS[section]))
-        return f"{key}={value_text} is invalid: {section} has no key {name!r}; allowed: {known}"
+        return (
+            f"{key}={value_text} is invalid: {section} has no key {name!r}{hint}; "
+            f"allowed: {known}"
+        )
     known = ", ".join(f"{f.name}.*" if f.name in SECTIONS else f.name for f in fields(TunerConfig))
-    return f"{key}={value_text} is invalid: no such key; allowed: {known}"
+    return f"{key}={value_text} is invalid: no such key{hint}; allowed: {known}"
+
+
+def closest_key(key: str) -> str | None:
+    """The known key ``key`` is most likely a typo of (difflib), or None.
+
+    Within a known section only that section's keys compete (their shared
+    ``search.`` prefix would make any two of them look alike).
+    """
+    section, _, name = key.rpartition(".")
+    if section in SECTIONS:
+        names = [f.name for f in fields(SECTIONS[section])]
+        matches = difflib.get_close_matches(name, names, n=1, cutoff=0.7)
+        return f"{section}.{matches[0]}" if matches else None
+    matches = difflib.get_close_matches(key, list(RULES), n=1, cutoff=0.7)
+    return matches[0] if matches else None
 
 
 def missing_message(key: str) -> str:
@@ -518,6 +538,9 @@ def validate(config: TunerConfig) -> ValidatedConfig:
         )
     device = device_profile_from(config.device)
     _require_feasible_plan(problem, device, space_axes_from(config.search))
+    if config.registry.url is None:
+        # Resolved once, here: every later stage sees the URL it writes to.
+        config = replace(config, registry=RegistryConfig(url=default_registry_url()))
     return ValidatedConfig(problem=problem, device=device, config=config)
 
 
@@ -560,7 +583,7 @@ class RejectionKind:
 def rejection_summary(space: CandidateSpace) -> list[RejectionKind]:
     """``space.rejection_counts()``, commonest first, each with an example reason.
 
-    The planner's kinds strip numbers (so ``tile_size=128`` vanishes); the example
+    The planner's kinds show each number as N (``tile_size=N``); the example
     keeps them. It is found by the same grouping as ``rejection_counts``, applied
     per plan, so the two cannot disagree.
     """

@@ -1,17 +1,19 @@
 """Where a study lives and what it is called.
 
 A study holds the trials of one problem in one environment against one
-version of the kernel sources: its name is built from all three, so re-running
-the same command continues it, while a new GPU, driver or toolchain, or an
-edited ``.cu`` file, starts a fresh study (old timings say nothing about the
-new kernel). The name stays readable (problem, GPU) with a short digest of
-everything else.
+version of the kernel sources, proposed by one sampler: its name is built from
+all four, so re-running the same command continues it, while a new GPU, driver
+or toolchain, or an edited ``.cu`` file, starts a fresh study (old timings say
+nothing about the new kernel), and so does another ``search.sampler`` (its
+trials encode the space differently, and a comparison of samplers needs each
+to start from nothing). The name stays readable (problem, GPU, sampler) with a
+short digest of the environment and the sources.
 
 The default storage is ``studies.sqlite`` next to the registry's SQLite file;
 open it with ``optuna-dashboard sqlite:///path/to/studies.sqlite``. A registry
-on a server (PostgreSQL) gets a local ``studies.sqlite`` unless
-``search.storage`` names one: the registry's own tables (and its
-``alembic_version``) must not share a schema with Optuna's.
+on a server (PostgreSQL) gets ``studies.sqlite`` in the per-user data directory
+(``tuner.data_dir``) unless ``search.storage`` names one: the registry's own
+tables (and its ``alembic_version``) must not share a schema with Optuna's.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from tuner.data_dir import STUDIES_FILE, default_studies_url
 from tuner.environment import Environment
 from tuner.errors import ConfigError
 from tuner.problem import Problem
-
-STUDIES_FILE = "studies.sqlite"
 
 
 def study_name(
@@ -37,8 +38,10 @@ def study_name(
     environment: Environment,
     source_hashes: Mapping[str, str],
     variant: str = "",
+    *,
+    sampler: str = "tpe",
 ) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>[-<variant>]``.
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -51,12 +54,12 @@ def study_name(
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
     shape = f"{problem.batch}x{problem.heads}x{problem.seq_len}x{problem.head_dim}"
-    name = f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}"
+    name = f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
 
 
 def default_storage_url(registry_url: str) -> str:
-    """``sqlite:///<registry directory>/studies.sqlite``, or ``./studies.sqlite``."""
+    """``sqlite:///<registry directory>/studies.sqlite``, or the data directory's."""
     try:
         url = make_url(registry_url)
     except ArgumentError as error:
@@ -65,5 +68,5 @@ def default_storage_url(registry_url: str) -> str:
     if url.get_backend_name() == "sqlite" and database and database != ":memory:":
         path = Path(database).expanduser().parent / STUDIES_FILE
     else:
-        path = Path(STUDIES_FILE)
+        return default_studies_url()
     return f"sqlite:///{path}"

@@ -33,6 +33,7 @@ mid-trial would hold its trial (and its claim on a slot) forever.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import sqlite3
@@ -47,6 +48,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from tuner.database_errors import database_message, missing_driver
 from tuner.errors import ConfigError
 
 #: seconds between heartbeats of a running trial
@@ -70,9 +72,54 @@ def open_storage(
 ) -> RDBStorage:
     """Optuna's RDB storage at ``url``; ``ConfigError`` (one line) when it cannot be opened.
 
+    A SQLite file (and directories) created for it are removed again when the
+    open fails or is interrupted: a failed run leaves no empty study database.
     ``sqlite_begin`` is there for ``bench/storage_workers.py``, which compares
     ``BEGIN IMMEDIATE`` with SQLite's default ``BEGIN`` (DEFERRED).
     """
+    new_paths = _new_sqlite_paths(url)
+    try:
+        return _open_storage(url, heartbeat_interval_s, grace_period_s, max_retry, sqlite_begin)
+    except BaseException:
+        _remove_new(new_paths)
+        raise
+
+
+def _new_sqlite_paths(url: str) -> list[Path]:
+    """The SQLite file of ``url`` and its missing directories, deepest first, if it is new."""
+    if _backend_name(url) != "sqlite":
+        return []
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return []
+    path = Path(database).expanduser()
+    if path.exists():
+        return []
+    new = [path]
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        new.append(parent)
+        parent = parent.parent
+    return new
+
+
+def _remove_new(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.is_dir():
+                path.rmdir()  # only if empty: nothing but what this open created
+            else:
+                for suffix in ("", "-wal", "-shm", "-journal"):
+                    path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
+def _open_storage(
+    url: str,
+    heartbeat_interval_s: int,
+    grace_period_s: int | None,
+    max_retry: int,
+    sqlite_begin: str,
+) -> RDBStorage:
     backend = _backend_name(url)
     if backend == "sqlite":
         database = url.removeprefix("sqlite:///")
@@ -120,7 +167,8 @@ def open_storage(
             event.listen(storage.engine, "begin", functools.partial(_sqlite_begin, sqlite_begin))
             storage.engine.dispose()  # reconnect with the pragmas
         return storage
-    message = " ".join(str(error).split()) or type(error).__name__
+    assert error is not None  # the loop returns or records why it could not
+    message = missing_driver(url, error) or database_message(error)
     raise ConfigError(f"search.storage={_shown(url)} cannot be opened: {message}") from error
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -243,21 +244,24 @@ def run_workers(
     context = multiprocessing.get_context("spawn")
     exits = [WorkerExit(i, gpu) for i, gpu in enumerate(plan.gpus)]
     processes, readers = [], []
+    # Set by the parent's Ctrl-C: a worker still starting (SIGINT ignored) stops once up.
+    stop = context.Event()
     for i, gpu in enumerate(plan.gpus):
         reader, writer = context.Pipe(duplex=False)
         processes.append(
             context.Process(
                 target=_worker_main,
-                args=(job, i, gpu, dict(plan.env), writer),
+                args=(job, i, gpu, dict(plan.env), writer, stop),
                 name=f"tuner-worker-{i}",
             )
         )
         readers.append((reader, writer))
     interrupts = 0
     try:
-        with _forward_sigint(processes) as interrupted:
+        with _forward_sigint(processes, stop) as interrupted:
             for process, worker_exit, (_, writer) in zip(processes, exits, readers, strict=True):
-                process.start()
+                with _started_ignoring_sigint():
+                    process.start()
                 writer.close()  # the worker holds the only write end: EOF when it is gone
                 worker_exit.pid = process.pid
             open_readers = {reader: i for i, (reader, _) in enumerate(readers)}
@@ -298,13 +302,51 @@ def _handle(
 
 
 @contextlib.contextmanager
-def _forward_sigint(processes: list[Any]) -> Iterator[Callable[[], int]]:
+def _started_ignoring_sigint() -> Iterator[None]:
+    """Start a worker with SIGINT ignored, an ignored signal staying ignored across exec.
+
+    Until the worker is in its own process group, a terminal's Ctrl-C reaches it
+    too, and a spawned interpreter interrupted while it imports prints a
+    traceback and dies ("worker died"). It takes SIGINT back in ``_worker_main``
+    and then checks ``stop`` for a Ctrl-C it missed. The parent ignores SIGINT
+    only for the fork and exec themselves (``multiprocessing.util.spawnv_passfds``,
+    milliseconds; not while the job is pickled to the child), with SIGINT blocked
+    in this thread, so its own Ctrl-C is, but for that instant on another
+    thread, handled when the handler is back rather than lost.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def spawn_ignoring_sigint(path: Any, args: Any, passfds: Any) -> int:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return spawn(path, args, passfds)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    blockable = hasattr(signal, "pthread_sigmask")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if blockable else None
+    multiprocessing.util.spawnv_passfds = spawn_ignoring_sigint  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+@contextlib.contextmanager
+def _forward_sigint(processes: list[Any], stop: Any = None) -> Iterator[Callable[[], int]]:
     """Ctrl-C in the parent: passed on to every live worker; counted, never raised here."""
     count = 0
 
     def handler(signum: int, frame: object) -> None:
         nonlocal count
         count += 1
+        if stop is not None:
+            stop.set()  # first: a worker not listening yet finds it when it starts to
         for process in processes:
             if process.pid is not None and process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -337,7 +379,12 @@ def _stop(process: Any) -> None:
 
 
 def _worker_main(
-    job: WorkerJob, index: int, gpu: str | None, env: Mapping[str, str], events: Connection
+    job: WorkerJob,
+    index: int,
+    gpu: str | None,
+    env: Mapping[str, str],
+    events: Connection,
+    stop: Any = None,
 ) -> None:
     """One worker process: its own backend and storage handle, the shared study."""
     # Before anything can touch CUDA: this worker sees its one GPU, as device 0.
@@ -354,6 +401,14 @@ def _worker_main(
 
     storage = None
     try:
+        # Started ignoring SIGINT, and with the parent's mask blocking it
+        # (_started_ignoring_sigint): take it back, then honour a Ctrl-C the parent
+        # passed on while this worker was starting.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
         backend = job.backend()
         try:
             if job.environment is not None:

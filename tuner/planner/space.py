@@ -8,6 +8,7 @@ launch, so only the first of each is kept: the space holds distinct plans.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -85,13 +86,19 @@ class CandidateSpace:
     rejected: tuple[KernelPlan, ...]
 
     def rejection_counts(self) -> Counter[str]:
-        """How many candidates fell for each kind of reason (numbers stripped)."""
+        """How many candidates fell for each kind of reason (each number shown as N)."""
         return Counter(_reason_kind(plan.reason) for plan in self.rejected)
 
 
 def _reason_kind(reason: str) -> str:
-    words = [w for w in reason.split() if not any(ch.isdigit() for ch in w)]
-    return " ".join(words[:8])
+    """The reason with its numbers as N: ``shared memory N B exceeds ... limit N B``.
+
+    Whole numbers only (``u32`` and ``float4s`` stay words), so the kind still reads.
+    """
+    return _NUMBER.sub("N", reason)
+
+
+_NUMBER = re.compile(r"\b\d+(?:\.\d+)?\b")
 
 
 def enumerate_params(problem: Problem, axes: SpaceAxes | None = None) -> Iterable[KernelParams]:
