@@ -53,6 +53,9 @@
 #ifndef Q_IN_REGISTERS
 #define Q_IN_REGISTERS 1
 #endif
+#ifndef S_GROUPS
+#define S_GROUPS 1
+#endif
 
 #define THREADS (WARPS * 32)
 #define ROWS_PER_WARP (BLOCK_M / WARPS)
@@ -63,12 +66,14 @@
 #define N_STEPS (BLOCK_N / 16)    // k16 steps of P V
 #define ROW_STRIDE (HEAD_DIM + 8) // elements per shared-memory row
 #define CHUNKS_PER_ROW (HEAD_DIM / 8)
+#define MT_PER_GROUP (M_TILES / S_GROUPS)
 
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
 static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole m16 tiles");
 static_assert(M_TILES >= 1 && M_TILES <= 2, "16 or 32 rows per warp");
 static_assert(STAGES >= 2, "the ring needs two stages");
+static_assert(S_GROUPS >= 1 && M_TILES % S_GROUPS == 0, "S groups split the m tiles evenly");
 
 #if IS_FP16
 typedef __half elem_t;
@@ -288,113 +293,120 @@ mma_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
         // A warp whose rows all precede this tile's first visible key skips it.
         if (CAUSAL && key0 > warp_row0 + ROWS_PER_WARP - 1 + causal_offset) continue;
 
-        // ---- S = Q K^T
-        float s_acc[M_TILES][N_TILES][4];
+        // With S_GROUPS = M_TILES, each m16 tile runs S, softmax and P.V on its own:
+        // K fragments are read once per m tile instead of once a warp, but only
+        // one m tile's scores are live at a time (the register file is what
+        // limits 32-row warps at head_dim 128).
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
+        for (int group = 0; group < S_GROUPS; ++group) {
+            // ---- S = Q K^T
+            float s_acc[M_TILES][N_TILES][4];
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
+            for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] = 0.f;
+                for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-        for (int ds = 0; ds < D_STEPS; ++ds) {
+                    for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] = 0.f;
+#pragma unroll
+            for (int ds = 0; ds < D_STEPS; ++ds) {
 #if !Q_IN_REGISTERS
-            uint32_t q_frag_ds[M_TILES][4];
+                uint32_t q_frag_ds[M_TILES][4];
 #pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-                ldmatrix_x4(q_frag_ds[mt][0], q_frag_ds[mt][1], q_frag_ds[mt][2],
-                            q_frag_ds[mt][3],
-                            smem_addr(s_q_warp + (mt * 16 + a_row) * ROW_STRIDE + ds * 16 + a_col));
+                for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt)
+                    ldmatrix_x4(q_frag_ds[mt][0], q_frag_ds[mt][1], q_frag_ds[mt][2],
+                                q_frag_ds[mt][3],
+                                smem_addr(s_q_warp + (mt * 16 + a_row) * ROW_STRIDE + ds * 16 + a_col));
 #endif
 #pragma unroll
-            for (int np = 0; np < N_TILES / 2; ++np) {
-                uint32_t b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3,
-                            smem_addr(s_k + (np * 16 + b_row) * ROW_STRIDE + ds * 16 + b_col));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-#if Q_IN_REGISTERS
-                    const uint32_t* a = q_frag[mt][ds];
-#else
-                    const uint32_t* a = q_frag_ds[mt];
-#endif
-                    mma_16816(s_acc[mt][2 * np], a, b0, b1);
-                    mma_16816(s_acc[mt][2 * np + 1], a, b2, b3);
-                }
-            }
-        }
-
-        // ---- mask: keys past kv_len (last tile) and, under causal, past the diagonal
-        const bool tail = key0 + BLOCK_N > kv_len;
-        const bool diagonal = CAUSAL && (key0 + BLOCK_N - 1 > warp_row0 + causal_offset);
-        if (tail || diagonal) {
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int key = key0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                        const int row = warp_row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-                        bool masked = key >= kv_len;
-                        if (CAUSAL) masked = masked || key > row + causal_offset;
-                        if (masked) s_acc[mt][nt][i] = -INFINITY;
-                    }
-        }
-
-        // ---- online softmax (fp32, log2 domain) and O += P V, one m16 tile at a
-        // time: P stays in registers as the A fragments of the next mma, and the
-        // softmax of tile mt + 1 has no dependence on the P V products of tile mt,
-        // so the scheduler interleaves that ALU work with those tensor-core ops.
-        // V fragments are re-read per m tile (shared memory has the headroom;
-        // registers do not).
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-                    tile_max = fmaxf(tile_max,
-                                     fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-                const float new_max = fmaxf(row_max[mt][half], tile_max * scale_log2);
-                // A row with no visible key yet keeps max -inf: subtract 0, not -inf.
-                const float base = new_max == -INFINITY ? 0.f : new_max;
-                const float correction = fast_exp2(row_max[mt][half] - base);
-                row_max[mt][half] = new_max;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-                    const float p0 = fast_exp2(s_acc[mt][nt][2 * half] * scale_log2 - base);
-                    const float p1 = fast_exp2(s_acc[mt][nt][2 * half + 1] * scale_log2 - base);
-                    s_acc[mt][nt][2 * half] = p0;
-                    s_acc[mt][nt][2 * half + 1] = p1;
-                    sum += p0 + p1;
-                }
-                row_sum[mt][half] = row_sum[mt][half] * correction + sum;
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; ++dt) {
-                    o_acc[mt][dt][2 * half] *= correction;
-                    o_acc[mt][dt][2 * half + 1] *= correction;
-                }
-            }
-#pragma unroll
-            for (int ks = 0; ks < N_STEPS; ++ks) {
-                uint32_t p_frag[4];
-                p_frag[0] = pack_pair(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
-                p_frag[1] = pack_pair(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
-                p_frag[2] = pack_pair(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
-                p_frag[3] = pack_pair(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
-#pragma unroll
-                for (int dp = 0; dp < D_TILES / 2; ++dp) {
+                for (int np = 0; np < N_TILES / 2; ++np) {
                     uint32_t b0, b1, b2, b3;
-                    ldmatrix_x4_trans(
-                        b0, b1, b2, b3,
-                        smem_addr(s_v + (ks * 16 + v_row) * ROW_STRIDE + dp * 16 + v_col));
-                    mma_16816(o_acc[mt][2 * dp], p_frag, b0, b1);
-                    mma_16816(o_acc[mt][2 * dp + 1], p_frag, b2, b3);
+                    ldmatrix_x4(b0, b1, b2, b3,
+                                smem_addr(s_k + (np * 16 + b_row) * ROW_STRIDE + ds * 16 + b_col));
+#pragma unroll
+                    for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt) {
+#if Q_IN_REGISTERS
+                        const uint32_t* a = q_frag[mt][ds];
+#else
+                        const uint32_t* a = q_frag_ds[mt];
+#endif
+                        mma_16816(s_acc[mt][2 * np], a, b0, b1);
+                        mma_16816(s_acc[mt][2 * np + 1], a, b2, b3);
+                    }
+                }
+            }
+
+            // ---- mask: keys past kv_len (last tile) and, under causal, past the diagonal
+            const bool tail = key0 + BLOCK_N > kv_len;
+            const bool diagonal = CAUSAL && (key0 + BLOCK_N - 1 > warp_row0 + causal_offset);
+            if (tail || diagonal) {
+#pragma unroll
+                for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int key = key0 + nt * 8 + (lane % 4) * 2 + (i % 2);
+                            const int row = warp_row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+                            bool masked = key >= kv_len;
+                            if (CAUSAL) masked = masked || key > row + causal_offset;
+                            if (masked) s_acc[mt][nt][i] = -INFINITY;
+                        }
+            }
+
+            // ---- online softmax (fp32, log2 domain) and O += P V, one m16 tile at a
+            // time: P stays in registers as the A fragments of the next mma, and the
+            // softmax of tile mt + 1 has no dependence on the P V products of tile mt,
+            // so the scheduler interleaves that ALU work with those tensor-core ops.
+            // V fragments are re-read per m tile (shared memory has the headroom;
+            // registers do not).
+#pragma unroll
+            for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float tile_max = -INFINITY;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+                        tile_max = fmaxf(tile_max,
+                                         fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+                    const float new_max = fmaxf(row_max[mt][half], tile_max * scale_log2);
+                    // A row with no visible key yet keeps max -inf: subtract 0, not -inf.
+                    const float base = new_max == -INFINITY ? 0.f : new_max;
+                    const float correction = fast_exp2(row_max[mt][half] - base);
+                    row_max[mt][half] = new_max;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt) {
+                        const float p0 = fast_exp2(s_acc[mt][nt][2 * half] * scale_log2 - base);
+                        const float p1 = fast_exp2(s_acc[mt][nt][2 * half + 1] * scale_log2 - base);
+                        s_acc[mt][nt][2 * half] = p0;
+                        s_acc[mt][nt][2 * half + 1] = p1;
+                        sum += p0 + p1;
+                    }
+                    row_sum[mt][half] = row_sum[mt][half] * correction + sum;
+#pragma unroll
+                    for (int dt = 0; dt < D_TILES; ++dt) {
+                        o_acc[mt][dt][2 * half] *= correction;
+                        o_acc[mt][dt][2 * half + 1] *= correction;
+                    }
+                }
+#pragma unroll
+                for (int ks = 0; ks < N_STEPS; ++ks) {
+                    uint32_t p_frag[4];
+                    p_frag[0] = pack_pair(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
+                    p_frag[1] = pack_pair(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
+                    p_frag[2] = pack_pair(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
+                    p_frag[3] = pack_pair(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
+#pragma unroll
+                    for (int dp = 0; dp < D_TILES / 2; ++dp) {
+                        uint32_t b0, b1, b2, b3;
+                        ldmatrix_x4_trans(
+                            b0, b1, b2, b3,
+                            smem_addr(s_v + (ks * 16 + v_row) * ROW_STRIDE + dp * 16 + v_col));
+                        mma_16816(o_acc[mt][2 * dp], p_frag, b0, b1);
+                        mma_16816(o_acc[mt][2 * dp + 1], p_frag, b2, b3);
+                    }
                 }
             }
         }

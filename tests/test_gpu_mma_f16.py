@@ -32,18 +32,21 @@ pytestmark = pytest.mark.gpu
 
 CACHE_DIR = os.environ.get("FLASH_ATTENTION_TUNER_CUBIN_CACHE", DEFAULT_CACHE_DIR)
 FAMILY = family_named("mma_f16")
-#: (block_m, block_n, warps, stages, q_in_registers, split_target): 16 and 32 rows a
-#: warp, Q in registers and in shared memory, 2 and 3 stages, 48-key tiles (an odd
-#: number of n16 pairs), and split targets that give several splits at 1000 keys.
+#: (block_m, block_n, warps, stages, q_in_registers, s_groups, split_target): 16 and
+#: 32 rows a warp, Q in registers and in shared memory, 2 and 3 stages, S for both m
+#: tiles at once and one at a time, 48-key tiles (an odd number of n16 pairs), and
+#: split targets that give several splits at 1000 keys.
 PLANS = (
-    (64, 32, 4, 2, 1, 1),
-    (128, 64, 8, 3, 1, 1 << 16),
-    (128, 64, 4, 2, 0, 4),
-    (256, 48, 8, 2, 0, 2),
-    (64, 64, 4, 2, 0, 1 << 16),
+    (64, 32, 4, 2, 1, 1, 1),
+    (128, 64, 8, 3, 1, 1, 1 << 16),
+    (128, 64, 4, 2, 0, 2, 4),
+    (256, 48, 8, 2, 0, 1, 2),
+    (256, 64, 8, 2, 0, 2, 1 << 16),
+    (64, 64, 4, 2, 0, 1, 1 << 16),
 )
 #: head_dim 256 keeps Q in shared memory (its fragments alone are 64 registers a row tile)
-PLANS_256 = ((64, 64, 4, 2, 0, 1 << 16), (64, 32, 4, 2, 0, 3))
+PLANS_256 = ((64, 64, 4, 2, 0, 1, 1 << 16), (64, 32, 4, 2, 0, 1, 3))
+NAMES = ("block_m", "block_n", "warps", "stages", "q_in_registers", "s_groups", "split_target")
 SIZE_ONLY_REASONS = ("larger than needed",)
 
 
@@ -62,7 +65,7 @@ def problems() -> list[Problem]:
 def plans_for(problem: Problem, profile) -> list[KernelPlan]:
     plans = []
     for values in PLANS_256 if problem.head_dim == 256 else PLANS:
-        params = KernelParams("mma_f16", *values)
+        params = KernelParams("mma_f16", **dict(zip(NAMES, values, strict=True)))
         plan = FAMILY.plan(problem, params, profile)
         if not plan.feasible:
             assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
@@ -104,3 +107,4 @@ def test_the_matrix_has_split_plans_and_both_warp_shapes(backend: PyCudaBackend)
     splits = {plan.sequence_splits for plan in plans}
     assert 1 in splits and 2 in splits and max(splits) >= 4
     assert {plan.params.block_m // plan.params.warps for plan in plans} == {16, 32}
+    assert {plan.params.s_groups for plan in plans} == {1, 2}

@@ -9,7 +9,10 @@ folded in. Q's fragments are kept in registers (``q_in_registers=1``) or read
 from shared memory at every k-step (``0``: fewer registers, more ldmatrix).
 Long key ranges split over blocks (``split_target`` tiles a split, the seed's
 rule); their float32 partial outputs and log2-sum-exps are merged by
-``mma_f16_split_merge``. Causal masking is bottom-right aligned.
+``mma_f16_split_merge``. Causal masking is bottom-right aligned. With two
+m16 tiles a warp, ``s_groups=2`` computes S one m tile at a time (K read
+twice, half the score registers live): at head_dim 128 it is what keeps the
+32-row warps free of spills.
 
 The shared-memory formula here and the kernel's layout are one contract (see
 the head of ``kernels/mma_f16.cu``): rows of ``head_dim + 8`` 2-byte elements,
@@ -75,9 +78,18 @@ class MmaF16(KernelFamily):
         Tunable("warps", 4, (4, 8)),
         Tunable("stages", 2, (2, 3)),
         Tunable("q_in_registers", 0, (0, 1)),
+        Tunable("s_groups", 1, (1, 2)),
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
     )
-    enumeration_order = ("block_m", "block_n", "warps", "stages", "q_in_registers", "split_target")
+    enumeration_order = (
+        "block_m",
+        "block_n",
+        "warps",
+        "stages",
+        "q_in_registers",
+        "s_groups",
+        "split_target",
+    )
     heatmap_axes = ("block_n", "block_m")
     partial_stats_per_row = 1  # one log2-sum-exp per row and split
 
@@ -106,6 +118,11 @@ class MmaF16(KernelFamily):
             reason = f"head_dim={d} is not a multiple of {MMA_K} up to {MAX_HEAD_DIM}"
         elif rows_per_warp not in (MMA_M, 2 * MMA_M):
             reason = f"block_m={block_m} over {warps} warps is not 16 or 32 rows a warp"
+        elif params.s_groups not in (1, 2) or (rows_per_warp // MMA_M) % params.s_groups:
+            reason = (
+                f"s_groups={params.s_groups} does not divide the {rows_per_warp // MMA_M} "
+                "m16 tiles of a warp"
+            )
         elif block_n % MMA_K:
             reason = f"block_n={block_n} is not a multiple of {MMA_K}"
         elif stages < 2:
@@ -184,13 +201,15 @@ class MmaF16(KernelFamily):
             "CAUSAL": int(p.causal),
             "IS_FP16": int(p.dtype == "float16"),
             "Q_IN_REGISTERS": params.q_in_registers,
+            "S_GROUPS": params.s_groups,
         }
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
         return (
             f"mma_f16/m{params.block_m}/n{params.block_n}/w{params.warps}/st{params.stages}"
-            f"/q{'reg' if params.q_in_registers else 'smem'}/s{plan.sequence_splits}"
+            f"/q{'reg' if params.q_in_registers else 'smem'}/g{params.s_groups}"
+            f"/s{plan.sequence_splits}"
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
@@ -234,11 +253,11 @@ class MmaF16(KernelFamily):
         return (attention, merge)
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
-        """Shared traffic per K/V tile and warp: ldmatrix reads of the K tile (once),
-        of the V tile (once per m16 tile: softmax and P.V run one m tile at a time)
-        and, with Q in shared memory, of the warp's Q rows; per block the cp.async
-        stores of K and V. ``ilp``: the independent m16n8 accumulators of S a warp
-        keeps in flight.
+        """Shared traffic per K/V tile and warp: ldmatrix reads of the K tile (once
+        per S group), of the V tile (once per m16 tile: softmax and P.V run one m
+        tile at a time) and, with Q in shared memory, of the warp's Q rows; per
+        block the cp.async stores of K and V. ``ilp``: the independent m16n8
+        accumulators of S a warp keeps in flight.
         """
         p, params = plan.problem, plan.params
         d, bh, n = p.head_dim, p.batch_heads, p.seq_len
@@ -246,7 +265,7 @@ class MmaF16(KernelFamily):
         warps = params.warps
         m_tiles = params.block_m // warps // MMA_M
         q_reads = 0 if params.q_in_registers else m_tiles * MMA_M * d
-        per_warp = block_n * d + m_tiles * block_n * d + q_reads
+        per_warp = params.s_groups * block_n * d + m_tiles * block_n * d + q_reads
         per_block = per_warp * warps + 2 * block_n * d
         # ldmatrix.x4 moves 512 bytes a warp instruction; cp.async 16 bytes a lane.
         ldmatrix_ops = per_warp * ELEMENT_BYTES // 512 * 32
@@ -259,7 +278,7 @@ class MmaF16(KernelFamily):
             exps=bh * executed + bh * n * plan.tile_count,
             shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
             shared_lane_ops=per_block_ops * block_tiles * bh,
-            ilp=m_tiles * (block_n // 8),
+            ilp=m_tiles // params.s_groups * (block_n // 8),
         )
 
 
