@@ -257,7 +257,7 @@ class MmaF16(KernelFamily):
         per S group), of the V tile (once per m16 tile: softmax and P.V run one m
         tile at a time) and, with Q in shared memory, of the warp's Q rows; per
         block the cp.async stores of K and V. ``ilp``: the independent m16n8
-        accumulators of S a warp keeps in flight.
+        accumulators (S's and O's) a warp keeps in flight.
         """
         p, params = plan.problem, plan.params
         d, bh, n = p.head_dim, p.batch_heads, p.seq_len
@@ -278,7 +278,13 @@ class MmaF16(KernelFamily):
             exps=bh * executed + bh * n * plan.tile_count,
             shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
             shared_lane_ops=per_block_ops * block_tiles * bh,
-            ilp=m_tiles // params.s_groups * (block_n // 8),
+            # Independent mma chains a warp has in flight over a tile: the S
+            # accumulators of one S group plus the O accumulators of an m tile.
+            # Counting S's alone (as a SIMT micro-tile would) ranked the H200
+            # probe grids with Spearman 0.20/0.33/0.20/0.16 (4x16x4096x128 full,
+            # causal, 1x16x1000x128, 1x32x8192x128); with both, 0.55/0.71/0.74/0.31
+            # (bench/costmodel_mma_f16.py on bench/results/mma_probe_2026-12-03).
+            ilp=m_tiles // params.s_groups * (block_n // 8) + d // 8,
         )
 
 
