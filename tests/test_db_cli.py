@@ -69,6 +69,7 @@ def test_best_json_is_the_stored_plan(url: str, tmp_path: Path) -> None:
         url,
         "--seq-len=4096",
         "--head-dim=128",
+        "--dtype=float32",
         "--batch=2",
         "--heads=8",
         "--causal",
@@ -85,6 +86,7 @@ def test_best_json_is_the_stored_plan(url: str, tmp_path: Path) -> None:
     stale = run_cli(
         "best",
         *("--url", url, "--seq-len", "4096", "--head-dim", "128", "--batch", "2"),
+        "--dtype=float32",
         *("--heads", "8", "--causal", "--source-hash", "tiled=sha256:new", "--json"),
         cwd=tmp_path,
     )
@@ -92,11 +94,15 @@ def test_best_json_is_the_stored_plan(url: str, tmp_path: Path) -> None:
 
 
 def test_best_nearest_and_not_found(url: str, tmp_path: Path) -> None:
-    missing = run_cli("best", "--url", url, "--seq-len", "2000", "--head-dim", "64", cwd=tmp_path)
+    missing = run_cli(
+        "best", "--url", url, "--seq-len", "2000", "--head-dim", "64", "--dtype=float32",
+        cwd=tmp_path,
+    )
     assert missing.returncode == 3 and "no plan" in missing.stdout
     nearest = run_cli(
         "best",
         *("--url", url, "--seq-len", "2000", "--head-dim", "64", "--nearest", "--json"),
+        "--dtype=float32",
         cwd=tmp_path,
     )
     assert nearest.returncode == 0
@@ -182,7 +188,7 @@ def test_every_error_is_one_line_on_stderr_and_exits_non_zero(
 
 
 def test_a_partial_environment_matches_on_the_fields_given(url: str, tmp_path: Path) -> None:
-    shape = ("--seq-len=1024", "--head-dim=64", "--url", url)
+    shape = ("--seq-len=1024", "--head-dim=64", "--dtype=float32", "--url", url)
     found = run_cli("best", *shape, "--gpu-name", "NVIDIA H200", cwd=tmp_path)
     assert found.returncode == 0, found.stderr
     assert "on NVIDIA H200: tiled tile_size=32" in found.stdout
@@ -206,3 +212,13 @@ def test_import_of_a_missing_file_creates_no_registry(tmp_path: Path) -> None:
     )
     assert "cannot read export" in assert_one_line_error(done)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_best_looks_for_the_tuners_default_dtype(url: str, tmp_path: Path) -> None:
+    # The tuner's default problem is bfloat16, so is `db best`'s: the float32 rows
+    # here are found only with --dtype=float32.
+    shape = ("--url", url, "--seq-len=1024", "--head-dim=64")
+    assert run_cli("best", *shape, cwd=tmp_path).returncode == 3
+    assert run_cli("best", *shape, "--dtype=float32", cwd=tmp_path).returncode == 0
+    refused = run_cli("best", *shape, "--dtype=float64", cwd=tmp_path)
+    assert refused.returncode != 0 and "float64" in refused.stderr
