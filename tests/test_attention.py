@@ -165,9 +165,26 @@ BAD_ARRAYS = {
     "dtype": (
         lambda: [FakeArray(), FakeArray(), FakeArray(typestr="<f2")],
         TypeError,
-        r"v has dtype float16 \(typestr '<f2'\); expected float32",
+        r"^v has dtype float16 but q has dtype float32; q, k and v must share one dtype$",
     ),
-    "double": (lambda: [FakeArray(typestr="<f8")], TypeError, r"q has dtype float64"),
+    "dtype-k": (
+        lambda: [FakeArray(typestr="<f2"), FakeArray()],
+        TypeError,
+        r"^k has dtype float32 but q has dtype float16; q, k and v must share one dtype$",
+    ),
+    "double": (
+        lambda: [FakeArray(typestr="<f8")],
+        TypeError,
+        r"q has dtype float64 \(typestr '<f8'\); expected one of float32 \('<f4'\), float16 "
+        r"\('<f2'\); bfloat16 as torch tensors",
+    ),
+    "bf16-void": (
+        lambda: [FakeArray(typestr="<V2")] * 3,
+        TypeError,
+        r"q has typestr '<V2': 2-byte elements that are not float16 \(bfloat16 bit patterns\?\)"
+        r".*pass bfloat16 as torch.bfloat16 tensors",
+    ),
+    "bf16-bits": (lambda: [FakeArray(typestr="<u2")], TypeError, r"q has typestr '<u2': 2-byte"),
     "big-endian": (lambda: [FakeArray(typestr=">f4")], TypeError, r"typestr '>f4'"),
     "transposed": (
         lambda: [FakeArray(strides=strided(SHAPE, (0, 1, 3, 2)))],
@@ -201,6 +218,10 @@ def test_bad_out_and_causal_are_refused(no_cuda: None) -> None:
         ({"out": FakeArray(readonly=True)}, r"out is read-only"),
         ({"out": FakeArray(pointer=q.__cuda_array_interface__["data"][0] + 64)}, "overlaps q"),
         ({"out": numpy_q()}, r"out is a numpy.ndarray in host memory"),
+        (
+            {"out": FakeArray(typestr="<f2")},
+            r"^out has dtype float16 but q has dtype float32; out must have q's dtype$",
+        ),
         ({"causal": "yes"}, r"causal must be a bool, got 'yes'"),
     ]
     for arguments, message in cases:
@@ -246,6 +267,7 @@ class FakeTensor:
 def fake_torch_module() -> types.ModuleType:
     torch = types.ModuleType("torch")
     torch.Tensor, torch.float32 = FakeTensor, "float32"
+    torch.bfloat16, torch.float16 = "bfloat16", "float16"
     torch.is_grad_enabled = lambda: True
     return torch
 
@@ -267,7 +289,22 @@ BAD_TENSORS = {
         lambda: tensors(FakeTensor(device="cpu")),
         r"q is a torch tensor on .*; expected a CUDA",
     ),
-    "dtype": (lambda: tensors(FakeTensor(), FakeTensor(dtype="float16")), r"k has dtype float16"),
+    "dtype": (
+        lambda: tensors(FakeTensor(), FakeTensor(dtype="float16")),
+        r"^k has dtype float16 but q has dtype float32; q, k and v must share one dtype$",
+    ),
+    "dtype-v": (
+        lambda: tensors(FakeTensor(dtype="bfloat16"), FakeTensor(dtype="bfloat16")),
+        r"^v has dtype float32 but q has dtype bfloat16; q, k and v must share one dtype$",
+    ),
+    "unsupported": (
+        lambda: tensors(*[FakeTensor(dtype="float64") for _ in range(3)]),
+        r"^q has dtype float64; expected one of torch.bfloat16, torch.float16, torch.float32$",
+    ),
+    "int8": (
+        lambda: tensors(FakeTensor(), FakeTensor(dtype="int8")),
+        r"^k has dtype int8; expected one of torch.bfloat16",
+    ),
     "devices": (
         lambda: tensors(FakeTensor(), FakeTensor(index=1, pointer=1 << 50)),
         r"k is on cuda:1 but q is on cuda:0",
@@ -377,7 +414,10 @@ def test_an_empty_registry_gives_the_default_plan_and_one_warning_per_shape(
     notes = warnings_of(caplog)
     assert len(notes) == 2 and notes[0] == chosen.warnings[0]
     assert notes[0].startswith(f"no plan for {PROBLEM.label()} in registry ")
-    assert f"using the planner's default plan {chosen.plan.key()} (predicted" in notes[0]
+    assert (
+        f"falling back to the planner's default plan {chosen.plan.key()}, the cost model's "
+        "best for float32 (predicted"
+    ) in notes[0]
     assert all(r.name == "kernels.attention" for r in caplog.records)
 
 
