@@ -1,7 +1,8 @@
 """Deploy-time attention: the tuned plan of a shape, looked up once, run on the caller's arrays.
 
     import kernels
-    out = kernels.attention(q, k, v, causal=True)            # torch CUDA tensors or GPUArrays
+    out = kernels.attention(q, k, v, causal=True)   # torch CUDA tensors or GPUArrays, any of
+                                                    # float32, bfloat16, float16: out likewise
     kernels.attention(q, k, v, registry="sqlite:///plans.sqlite", out=buffer)
 
     attend = kernels.Attention("postgresql+psycopg://host/plans")   # a service keeps its own
@@ -15,9 +16,11 @@ path of a call. The pieces live beside it:
 
 * ``kernels.attention_args``: the argument checks, done before any CUDA call, and the device of
   interface arrays (``AttentionInputError`` names the argument, what it was and what is
-  expected);
-* ``kernels.plan_choice``: the plan of each shape, asked of the registry once per shape and GPU,
-  with the planner's default plan and a warning (logger ``kernels.attention``) where none fits;
+  expected); q, k, v (and ``out``) share one dtype: float32, bfloat16 or float16 (bfloat16 only
+  as torch tensors: ``__cuda_array_interface__`` has no name for it);
+* ``kernels.plan_choice``: the plan of each shape and dtype, asked of the registry once per
+  shape, dtype and GPU, with the planner's default plan for that dtype as a fallback and a
+  warning (logger ``kernels.attention``) where none fits;
 * ``kernels.backends.pycuda_attention``: one GPU through PyCUDA (kernels, split scratch,
   launches, contexts and streams), imported on the first call, so importing this module loads
   no pycuda, torch or database code.
@@ -193,7 +196,8 @@ def attention(
 ) -> Any:
     """softmax(q k^T / sqrt(head_dim)) v with the tuned plan of this shape; see the module doc.
 
-    Returns a new array of q's kind (a torch tensor, else a GPUArray), or ``out`` filled.
+    Returns a new array of q's kind and dtype (a torch tensor, else a GPUArray), or ``out``
+    filled. bfloat16 and float16 run the best plan stored for that dtype (tensor-core kernels).
     """
     return default_instance(registry, nearest=nearest)(q, k, v, causal, out=out)
 

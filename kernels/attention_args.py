@@ -1,9 +1,16 @@
 """The arguments of ``kernels.attention``, checked before any launch.
 
-Inputs: ``[batch, heads, seq_len, head_dim]`` float32 C-contiguous device arrays of one shape on
-one GPU: torch CUDA tensors, PyCUDA ``GPUArray``s, or anything with ``__cuda_array_interface__``.
+Inputs: ``[batch, heads, seq_len, head_dim]`` C-contiguous device arrays of one shape and one
+dtype on one GPU: torch CUDA tensors, PyCUDA ``GPUArray``s, or anything with
+``__cuda_array_interface__``. The dtypes are ``tuner.problem.SUPPORTED_DTYPES``: torch's
+``float32``, ``bfloat16`` and ``float16``; through the interface typestr ``'<f4'`` (float32) and
+``'<f2'`` (float16) only. The interface has no name for bfloat16 (producers give it as ``'<V2'``
+or as ``'<u2'`` bit patterns, which may as well be integers), so 2-byte typestrs other than
+``'<f2'`` are refused, and a ``'<f2'`` array is always read as float16: pass bfloat16 as torch
+tensors.
+
 ``check_inputs`` checks every argument (kind, dtype, rank, contiguity) and their agreement
-(kind, shape, torch device, ``out`` writable and apart from the inputs) without a CUDA call;
+(kind, dtype, shape, torch device, ``out`` writable and apart from the inputs) without a CUDA call;
 ``AttentionInputError`` (a ``TunerError`` and a ``ValueError``; ``AttentionInputTypeError`` also
 a ``TypeError``) names the argument, what it was and what is expected.
 
@@ -27,9 +34,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tuner.errors import TunerError
+from tuner.problem import DTYPE_BYTES, SUPPORTED_DTYPES
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
-FLOAT32 = np.dtype(np.float32)
+#: the interface typestrs taken, as numpy dtypes, and the problem dtype each one is
+INTERFACE_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
+#: the numpy dtype of an array allocated for a result (interface arrays: no bfloat16)
+NUMPY_DTYPES = {name: dtype for dtype, name in INTERFACE_DTYPES.items()}
 # CUpointer_attribute and CUmemorytype values (cuda.h)
 _CONTEXT, _MEMORY_TYPE, _DEVICE_ORDINAL = 1, 2, 9
 _HOST, _DEVICE, _UNIFIED = 1, 2, 4
@@ -52,12 +63,13 @@ class DeviceArray(NamedTuple):
     shape: tuple[int, ...]
     pointer: int
     device: int | None  # torch's device index; None for interface arrays (the pointer says)
+    dtype: str  # one of tuner.problem.SUPPORTED_DTYPES
     stream: int | None = None  # interface v3 "stream": the producer's stream
     readonly: bool = False
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * FLOAT32.itemsize
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 class Inputs(NamedTuple):
@@ -92,19 +104,19 @@ def _check_shape(name: str, shape: tuple[int, ...]) -> None:
         )
 
 
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], FLOAT32.itemsize
+def _c_strides(shape: tuple[int, ...], itemsize: int = 4) -> tuple[int, ...]:
+    strides, step = [], itemsize
     for size in reversed(shape):
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
 
 
-def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     # A dimension of size 1 is never stepped over, so its stride does not matter (numpy's rule).
     return all(
         size == 1 or stride == want
-        for size, stride, want in zip(shape, strides, _c_strides(shape), strict=True)
+        for size, stride, want in zip(shape, strides, _c_strides(shape, itemsize), strict=True)
     )
 
 
@@ -136,8 +148,10 @@ def _describe_tensor(name: str, value: Any, torch: Any) -> DeviceArray:
         raise AttentionInputTypeError(
             f"{name} is a torch tensor on {device}; expected a CUDA tensor ({name}.cuda())"
         )
-    if value.dtype != torch.float32:
-        raise AttentionInputTypeError(f"{name} has dtype {value.dtype}; expected torch.float32")
+    dtype = _torch_dtypes(torch).get(value.dtype)
+    if dtype is None:
+        allowed = ", ".join(f"torch.{name}" for name in SUPPORTED_DTYPES)
+        raise AttentionInputTypeError(f"{name} has dtype {value.dtype}; expected one of {allowed}")
     shape = tuple(value.shape)  # torch.Size: ints already
     _check_shape(name, shape)
     if not value.is_contiguous():
@@ -150,7 +164,13 @@ def _describe_tensor(name: str, value: Any, torch: Any) -> DeviceArray:
             f"{name} requires grad, but kernels.attention has no backward pass; call it under "
             f"torch.no_grad() or pass {name}.detach()"
         )
-    return DeviceArray(name, value, True, shape, value.data_ptr(), device.index or 0)
+    return DeviceArray(name, value, True, shape, value.data_ptr(), device.index or 0, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _torch_dtypes(torch: Any) -> dict[Any, str]:
+    """torch's dtype objects of ``SUPPORTED_DTYPES``, to their names (once per torch module)."""
+    return {getattr(torch, name): name for name in SUPPORTED_DTYPES}
 
 
 def _describe_interface(name: str, value: Any, interface: Mapping[str, Any]) -> DeviceArray:
@@ -163,23 +183,16 @@ def _describe_interface(name: str, value: Any, interface: Mapping[str, Any]) -> 
             f"{name}'s __cuda_array_interface__ is malformed ({error!r}); it needs shape, "
             "typestr and data"
         ) from error
-    try:
-        dtype: np.dtype | None = np.dtype(typestr)
-    except (TypeError, ValueError):
-        dtype = None
-    if dtype != FLOAT32:
-        raise AttentionInputTypeError(
-            f"{name} has dtype {dtype if dtype is not None else '?'} (typestr {typestr!r}); "
-            "expected float32 ('<f4')"
-        )
+    dtype = _interface_dtype(name, typestr)
+    itemsize = DTYPE_BYTES[dtype]
     _check_shape(name, shape)
     strides = interface.get("strides")
     if strides is not None and len(strides) != len(shape):
         raise AttentionInputTypeError(f"{name} has {len(strides)} strides for shape {shape}")
-    if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides)):
+    if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides), itemsize):
         raise AttentionInputError(
             f"{name} is not C-contiguous (shape {shape}, strides {tuple(strides)} bytes; "
-            f"C order is {_c_strides(shape)})"
+            f"C order is {_c_strides(shape, itemsize)})"
         )
     if interface.get("mask") is not None:
         raise AttentionInputError(f"{name} has a mask; masked arrays are not supported")
@@ -193,8 +206,30 @@ def _describe_interface(name: str, value: Any, interface: Mapping[str, Any]) -> 
         shape,
         int(pointer),
         None,
+        dtype,
         stream=None if stream is None else int(stream),
         readonly=bool(readonly),
+    )
+
+
+def _interface_dtype(name: str, typestr: Any) -> str:
+    """The problem dtype of an interface typestr: '<f4' float32, '<f2' float16, else refused."""
+    try:
+        found: np.dtype | None = np.dtype(typestr)
+    except (TypeError, ValueError):
+        found = None
+    dtype = INTERFACE_DTYPES.get(found) if found is not None else None
+    if dtype is not None:
+        return dtype
+    if found is not None and found.itemsize == 2 and found.kind in "uiV":
+        raise AttentionInputTypeError(
+            f"{name} has typestr {typestr!r}: 2-byte elements that are not float16 (bfloat16 "
+            "bit patterns?), which __cuda_array_interface__ cannot name; pass bfloat16 as "
+            "torch.bfloat16 tensors, float16 as '<f2'"
+        )
+    raise AttentionInputTypeError(
+        f"{name} has dtype {found if found is not None else '?'} (typestr {typestr!r}); "
+        "expected one of float32 ('<f4'), float16 ('<f2'); bfloat16 as torch tensors"
     )
 
 
@@ -207,6 +242,15 @@ def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
             raise AttentionInputTypeError(
                 f"{other.name} is a {_kind(other)} but q is a {_kind(first)}; pass q, k, v "
                 "(and out) of one kind"
+            )
+        if other.dtype != first.dtype:
+            which = (
+                "out must have q's dtype"
+                if other.name == "out"
+                else "q, k and v must share one dtype"
+            )
+            raise AttentionInputTypeError(
+                f"{other.name} has dtype {other.dtype} but q has dtype {first.dtype}; {which}"
             )
         if other.shape != first.shape:
             which = "out" if other.name == "out" else "k and v"

@@ -3,9 +3,11 @@
 ``PlanChooser.plan_for(problem)`` asks the registry once per (shape, causal, dtype) with the
 live GPU's ``Environment`` and the current kernel source hashes. A stale (source changed) or
 predicted-only plan is used with a warning, a plan tuned on the same GPU model under another
-toolchain too; a plan from another GPU is not used. Without one, the planner's default plan (the
-feasible candidate with the lowest predicted time on the live device that passes ``check``) is
-used, with a warning. Warnings go to the ``kernels.attention`` logger, once per shape.
+toolchain too; a plan from another GPU is not used, nor one stored for another dtype or of a
+family that does not take the problem's dtype. Without one, the planner's default plan (among
+the families that take the dtype, the feasible candidate with the lowest predicted time on the
+live device that passes ``check``) is used as a fallback, with a warning that says so. Warnings
+go to the ``kernels.attention`` logger, once per shape (and dtype).
 
 Pure apart from the injected ``check`` (on a GPU: compile and judge the compiler's resources)
 and the registry handle, so it is tested without a GPU.
@@ -26,7 +28,7 @@ from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.errors import PlanError
-from tuner.planner.families import family_named, family_names
+from tuner.planner.families import families_for, family_named, family_names
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
 from tuner.problem import Problem
@@ -128,8 +130,9 @@ class PlanChooser:
             why = f"the registry's plan for {problem.label()} cannot run here: {plan}"
         plan = self._default(problem)
         note = (
-            f"{why}; using the planner's default plan {plan.key()} (predicted "
-            f"{predict_time_ms(plan, self.device):.3f} ms on {self.device.name})"
+            f"{why}; falling back to the planner's default plan {plan.key()}, the cost model's "
+            f"best for {problem.dtype} (predicted {predict_time_ms(plan, self.device):.3f} ms on "
+            f"{self.device.name})"
         )
         logger.warning(note)
         return ChosenPlan(plan, "default", None, (note,))
@@ -141,11 +144,14 @@ class PlanChooser:
         ask = {"nearest": self.nearest, "source_hashes": self.source_hashes}
         found = self.registry.cached_best(problem, self.environment, **ask)
         if found is not None:
-            return found, ""
+            return self._of_dtype(problem, found)
         # Plans of the same GPU model under another driver/nvcc/pycuda are still good plans.
         anywhere = self.registry.cached_best(problem, None, **ask)
         if anywhere is None:
             return None, f"no plan for {label} in registry {self._label}"
+        anywhere, why = self._of_dtype(problem, anywhere)
+        if anywhere is None:
+            return None, why
         if _same_gpu(anywhere.environment, self.environment):
             return anywhere, ""
         other = anywhere.environment
@@ -154,10 +160,23 @@ class PlanChooser:
             f"({other.gpu_name}, {other.sm_count} SMs), not this {self.environment.gpu_name}"
         )
 
+    def _of_dtype(self, problem: Problem, stored: StoredPlan) -> tuple[StoredPlan | None, str]:
+        """``stored`` if it was stored for ``problem``'s dtype; a plan is never served across
+        dtypes (the registry asks by dtype already: this guards against a handle that does not)."""
+        if stored.problem.dtype == problem.dtype:
+            return stored, ""
+        return None, (
+            f"registry {self._label} answered {problem.label()} with a plan stored for "
+            f"{stored.problem.dtype}; not used"
+        )
+
     def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:
         record = stored.record
         if record.family not in family_names():
             return f"{record.family} {record.params} is not a kernel this version knows"
+        if record.family not in families_for(problem.dtype):
+            takes = ", ".join(family_named(record.family).dtypes)
+            return f"{record.family} kernels take {takes}, not {problem.dtype}"
         missing = [
             tunable.name
             for tunable in family_named(record.family).tunables
@@ -197,6 +216,8 @@ class PlanChooser:
 
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)
+        if not families_for(problem.dtype):
+            raise BackendError(f"no registered kernel family takes {problem.dtype} ({label})")
         if not space.feasible:
             first = space.rejected[0].reason if space.rejected else "none planned"
             raise BackendError(

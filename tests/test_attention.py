@@ -25,22 +25,34 @@ import kernels.attention as ka
 from db import PlanRecord, PlanRegistry, default_registry_url
 from kernels import attention_args, build, plan_choice
 from kernels.backends import pycuda_attention
+from kernels.bfloat16 import from_bfloat16, to_bfloat16
 from kernels.build import CompiledKernel, KernelSpec
+from kernels.launch import buffer_elements
 from kernels.reference import attention_reference
 from tuner.costmodel import predict_time_ms
 from tuner.data_dir import DATA_DIR_VARIABLE
 from tuner.device import H200
 from tuner.environment import Environment
 from tuner.errors import BackendError, TunerError
+from tuner.planner.families import families_for
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, ResourceUsage
 from tuner.problem import Problem
 
 ENV = Environment("NVIDIA H200", "9.0", 132, "580.159.04", "13.0", "13.0.88", "2026.1")
-HASHES = {"tiled": "t" * 64, "scalar_online": "s" * 64}
+HASHES = {"tiled": "t" * 64, "scalar_online": "s" * 64, "mma_f16": "m" * 64}
 SHAPE = (2, 4, 64, 32)
 PROBLEM = Problem(1000, 64, batch=2, heads=4, causal=True)
 STORED = {"threads": 128, "tile_size": 32, "rows_per_block": 32, "split_target": 4}
+#: an mma_f16 plan unlike the default one: 8 key splits on PROBLEM
+HALF_STORED = {
+    "block_m": 64,
+    "block_n": 32,
+    "warps": 4,
+    "stages": 2,
+    "q_in_registers": 0,
+    "split_target": 4,
+}
 
 
 class ReachedCuda(Exception):
@@ -165,9 +177,26 @@ BAD_ARRAYS = {
     "dtype": (
         lambda: [FakeArray(), FakeArray(), FakeArray(typestr="<f2")],
         TypeError,
-        r"v has dtype float16 \(typestr '<f2'\); expected float32",
+        r"^v has dtype float16 but q has dtype float32; q, k and v must share one dtype$",
     ),
-    "double": (lambda: [FakeArray(typestr="<f8")], TypeError, r"q has dtype float64"),
+    "dtype-k": (
+        lambda: [FakeArray(typestr="<f2"), FakeArray()],
+        TypeError,
+        r"^k has dtype float32 but q has dtype float16; q, k and v must share one dtype$",
+    ),
+    "double": (
+        lambda: [FakeArray(typestr="<f8")],
+        TypeError,
+        r"q has dtype float64 \(typestr '<f8'\); expected one of float32 \('<f4'\), float16 "
+        r"\('<f2'\); bfloat16 as torch tensors",
+    ),
+    "bf16-void": (
+        lambda: [FakeArray(typestr="<V2")] * 3,
+        TypeError,
+        r"q has typestr '<V2': 2-byte elements that are not float16 \(bfloat16 bit patterns\?\)"
+        r".*pass bfloat16 as torch.bfloat16 tensors",
+    ),
+    "bf16-bits": (lambda: [FakeArray(typestr="<u2")], TypeError, r"q has typestr '<u2': 2-byte"),
     "big-endian": (lambda: [FakeArray(typestr=">f4")], TypeError, r"typestr '>f4'"),
     "transposed": (
         lambda: [FakeArray(strides=strided(SHAPE, (0, 1, 3, 2)))],
@@ -201,6 +230,10 @@ def test_bad_out_and_causal_are_refused(no_cuda: None) -> None:
         ({"out": FakeArray(readonly=True)}, r"out is read-only"),
         ({"out": FakeArray(pointer=q.__cuda_array_interface__["data"][0] + 64)}, "overlaps q"),
         ({"out": numpy_q()}, r"out is a numpy.ndarray in host memory"),
+        (
+            {"out": FakeArray(typestr="<f2")},
+            r"^out has dtype float16 but q has dtype float32; out must have q's dtype$",
+        ),
         ({"causal": "yes"}, r"causal must be a bool, got 'yes'"),
     ]
     for arguments, message in cases:
@@ -217,6 +250,24 @@ def test_good_arrays_pass_the_checks(no_cuda: None) -> None:
     ]:
         with pytest.raises(ReachedCuda):
             ka.attention(*arrays, causal=np.bool_(True), out=FakeArray(shape))
+
+
+def test_float16_interface_arrays_pass_the_checks_with_two_byte_strides(no_cuda: None) -> None:
+    half = lambda **fields: FakeArray(typestr="<f2", **fields)  # noqa: E731
+    inputs = attention_args.check_inputs(half(), half(), half(), half())
+    assert [array.dtype for array in inputs.arrays] == ["float16"] * 4
+    assert inputs.q.nbytes == 2 * 64 * 32 * 2 * 4
+    c_order = attention_args._c_strides(SHAPE, 2)
+    assert c_order == (16384, 4096, 64, 2)
+    with pytest.raises(ReachedCuda):
+        ka.attention(half(strides=c_order), half(), half(), out=half(strides=c_order))
+    with pytest.raises(ka.AttentionInputError, match=r"q is not C-contiguous .*C order is \(16384"):
+        ka.attention(half(strides=attention_args._c_strides(SHAPE, 4)), half(), half())
+    # out right after q: apart for 2-byte elements (it would overlap float32 ones)
+    q = half()
+    after = q.__cuda_array_interface__["data"][0] + inputs.q.nbytes
+    with pytest.raises(ReachedCuda):
+        ka.attention(q, half(), half(), out=half(pointer=after))
 
 
 # a fake torch: just what kernels.attention touches before CUDA
@@ -246,6 +297,7 @@ class FakeTensor:
 def fake_torch_module() -> types.ModuleType:
     torch = types.ModuleType("torch")
     torch.Tensor, torch.float32 = FakeTensor, "float32"
+    torch.bfloat16, torch.float16 = "bfloat16", "float16"
     torch.is_grad_enabled = lambda: True
     return torch
 
@@ -267,7 +319,22 @@ BAD_TENSORS = {
         lambda: tensors(FakeTensor(device="cpu")),
         r"q is a torch tensor on .*; expected a CUDA",
     ),
-    "dtype": (lambda: tensors(FakeTensor(), FakeTensor(dtype="float16")), r"k has dtype float16"),
+    "dtype": (
+        lambda: tensors(FakeTensor(), FakeTensor(dtype="float16")),
+        r"^k has dtype float16 but q has dtype float32; q, k and v must share one dtype$",
+    ),
+    "dtype-v": (
+        lambda: tensors(FakeTensor(dtype="bfloat16"), FakeTensor(dtype="bfloat16")),
+        r"^v has dtype float32 but q has dtype bfloat16; q, k and v must share one dtype$",
+    ),
+    "unsupported": (
+        lambda: tensors(*[FakeTensor(dtype="float64") for _ in range(3)]),
+        r"^q has dtype float64; expected one of torch.bfloat16, torch.float16, torch.float32$",
+    ),
+    "int8": (
+        lambda: tensors(FakeTensor(), FakeTensor(dtype="int8")),
+        r"^k has dtype int8; expected one of torch.bfloat16",
+    ),
     "devices": (
         lambda: tensors(FakeTensor(), FakeTensor(index=1, pointer=1 << 50)),
         r"k is on cuda:1 but q is on cuda:0",
@@ -284,6 +351,24 @@ def test_bad_torch_tensors_are_refused(case: str, fake_torch: Any, no_cuda: None
     build_arrays, message = BAD_TENSORS[case]
     with pytest.raises(ka.AttentionInputError, match=message):
         ka.attention(*build_arrays())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_torch_tensors_of_each_dtype_pass_the_checks(fake_torch: Any, dtype: str) -> None:
+    half = [FakeTensor(dtype=dtype, pointer=(1 << 40) + i * (1 << 30)) for i in range(4)]
+    inputs = attention_args.check_inputs(*half)
+    assert {array.dtype for array in inputs.arrays} == {dtype}
+    assert inputs.q.nbytes == 2 * 4 * 64 * 32 * (4 if dtype == "float32" else 2)
+
+
+def test_a_torch_out_of_another_dtype_is_refused(fake_torch: Any, no_cuda: None) -> None:
+    q, k, v = (FakeTensor(dtype="bfloat16", pointer=(1 << 40) + i * (1 << 30)) for i in range(3))
+    out = FakeTensor(dtype="float16", pointer=1 << 45)
+    with pytest.raises(
+        ka.AttentionInputTypeError,
+        match=r"^out has dtype float16 but q has dtype bfloat16; out must have q's dtype$",
+    ):
+        ka.attention(q, k, v, out=out)
 
 
 def test_good_torch_tensors_reach_their_gpu(fake_torch: Any, monkeypatch) -> None:
@@ -377,7 +462,10 @@ def test_an_empty_registry_gives_the_default_plan_and_one_warning_per_shape(
     notes = warnings_of(caplog)
     assert len(notes) == 2 and notes[0] == chosen.warnings[0]
     assert notes[0].startswith(f"no plan for {PROBLEM.label()} in registry ")
-    assert f"using the planner's default plan {chosen.plan.key()} (predicted" in notes[0]
+    assert (
+        f"falling back to the planner's default plan {chosen.plan.key()}, the cost model's "
+        "best for float32 (predicted"
+    ) in notes[0]
     assert all(r.name == "kernels.attention" for r in caplog.records)
 
 
@@ -455,6 +543,94 @@ def test_the_registry_is_asked_once_per_shape(registry) -> None:
     assert counting.calls == 3
 
 
+def of_dtype(problem: Problem, dtype: str) -> Problem:
+    return Problem(
+        problem.seq_len, problem.head_dim, problem.batch, problem.heads, problem.causal, dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_each_dtype_gets_a_default_plan_of_a_family_that_takes_it(dtype: str, caplog) -> None:
+    problem = of_dtype(PROBLEM, dtype)
+    chosen = chooser(None).plan_for(problem)
+    family = chosen.plan.params.family
+    assert chosen.origin == "default" and chosen.plan.problem == problem
+    assert family in families_for(dtype)
+    if dtype == "float32":
+        assert family in ("scalar_online", "tiled")
+    else:
+        assert family == "mma_f16"
+    assert chosen.plan.key() == default_plan_key(problem)
+    (note,) = warnings_of(caplog)
+    assert f"falling back to the planner's default plan {chosen.plan.key()}" in note
+    assert f"the cost model's best for {dtype}" in note
+
+
+def test_a_stored_plan_is_served_for_its_own_dtype_only(registry, caplog) -> None:
+    bf16, fp16 = of_dtype(PROBLEM, "bfloat16"), of_dtype(PROBLEM, "float16")
+    registry.record(PROBLEM, ENV, record())  # float32: tiled
+    choosing = chooser(registry)
+    fallback = choosing.plan_for(bf16)  # only a float32 row for this shape: never served
+    assert fallback.origin == "default" and fallback.plan.params.family == "mma_f16"
+    assert fallback.warnings[0].startswith(f"no plan for {bf16.label()} in registry")
+    registry.record(bf16, ENV, record("mma_f16", HALF_STORED))
+    choosing = chooser(registry)
+    half = choosing.plan_for(bf16)
+    assert half.origin == "registry" and half.plan.params == KernelParams("mma_f16", **HALF_STORED)
+    assert half.plan.problem == bf16 and half.plan.sequence_splits > 1
+    assert half.stored is not None and half.stored.problem.dtype == "bfloat16"
+    assert choosing.plan_for(fp16).origin == "default"  # the bfloat16 row is not float16's
+    single = choosing.plan_for(PROBLEM)
+    assert single.origin == "registry" and single.plan.params == KernelParams("tiled", **STORED)
+
+
+def test_a_registry_answering_with_another_dtype_is_not_served(registry, caplog) -> None:
+    registry.record(PROBLEM, ENV, record())
+
+    class FloatOnly:  # a handle that ignores the dtype asked
+        url = "float-only"
+
+        def cached_best(self, problem: Problem, *args: Any, **kwargs: Any) -> Any:
+            return registry.cached_best(of_dtype(problem, "float32"), *args, **kwargs)
+
+    bf16 = of_dtype(PROBLEM, "bfloat16")
+    chosen = chooser(FloatOnly()).plan_for(bf16)
+    assert chosen.origin == "default" and chosen.plan.params.family == "mma_f16"
+    assert chosen.warnings[0].startswith(
+        f"registry float-only answered {bf16.label()} with a plan stored for float32; not used"
+    )
+
+
+def test_a_stored_plan_of_a_family_that_does_not_take_the_dtype_falls_back(registry) -> None:
+    bf16 = of_dtype(PROBLEM, "bfloat16")
+    registry.record(bf16, ENV, record())  # a tiled (float32) plan under a bfloat16 shape
+    chosen = chooser(registry).plan_for(bf16)
+    assert chosen.origin == "default" and chosen.plan.params.family == "mma_f16"
+    assert "cannot run here: tiled kernels take float32, not bfloat16" in chosen.warnings[0]
+
+
+def test_the_fallback_warns_once_per_shape_and_dtype(registry, caplog) -> None:
+    counting = CountingRegistry(registry)
+    choosing = chooser(counting)
+    bf16, fp16 = of_dtype(PROBLEM, "bfloat16"), of_dtype(PROBLEM, "float16")
+    other = Problem(4096, 128, heads=2, dtype="bfloat16")
+    for _ in range(3):
+        for problem in (bf16, fp16, other):
+            assert choosing.plan_for(problem).origin == "default"
+    notes = warnings_of(caplog)
+    assert len(notes) == 3 and all("falling back" in note for note in notes)
+    assert [note.split(" in registry")[0] for note in notes] == [
+        f"no plan for {problem.label()}" for problem in (bf16, fp16, other)
+    ]
+    assert counting.calls == 6  # per shape and dtype: this GPU, then any GPU; once
+
+
+def test_a_dtype_no_family_takes_is_one_error(monkeypatch) -> None:
+    monkeypatch.setattr(plan_choice, "families_for", lambda dtype: ())
+    with pytest.raises(BackendError, match=r"^no registered kernel family takes bfloat16 \(2x4"):
+        chooser(None).plan_for(of_dtype(PROBLEM, "bfloat16"))
+
+
 # ------------------------------------------------------------------------ default instances
 
 
@@ -479,18 +655,81 @@ def test_default_instances_per_registry(tmp_path: Path, monkeypatch) -> None:
 # ------------------------------------------------------------------------ on the fake driver
 
 
+def half_values(gpu: FakeGpu, address: Any, shape: tuple[int, ...], fp16: bool) -> np.ndarray:
+    raw = gpu.memory[int(address)][: 2 * int(np.prod(shape))]
+    values = raw.view(np.float16) if fp16 else from_bfloat16(raw.view(np.uint16))
+    return values.astype(np.float64).reshape(shape)
+
+
+def store_half(gpu: FakeGpu, address: Any, values: np.ndarray, fp16: bool) -> None:
+    bits = values.astype(np.float16) if fp16 else to_bfloat16(values.astype(np.float32))
+    target = gpu.memory[int(address)]
+    assert target.nbytes == bits.nbytes  # out is allocated in the inputs' 2-byte dtype
+    target[:] = np.frombuffer(bits.tobytes(), dtype=np.uint8)
+
+
+def fake_mma_f16(gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, span, scale_log2):
+    """``mma_f16_attention`` in float64: per split, normalised partials and a log2-sum-exp."""
+    n, d, splits, bh, fp16 = int(seq_len), defines["HEAD_DIM"], grid[1], grid[2], defines["IS_FP16"]
+    assert int(kv_len) == n and grid[0] == -(-n // defines["BLOCK_M"])
+    q3, k3, v3 = (half_values(gpu, a, (bh, n, d), fp16) for a in (q, k, v))
+    scores = np.einsum("bqd,bkd->bqk", q3, k3) * float(scale_log2)
+    if defines["CAUSAL"]:
+        scores[:, np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] = -np.inf
+    if splits == 1:
+        weights = np.exp2(scores - scores.max(-1, keepdims=True))
+        store_half(gpu, out, weights @ v3 / weights.sum(-1, keepdims=True), fp16)
+        return
+    po4 = gpu.floats(po, bh * splits * n * d).reshape(bh, splits, n, d)
+    lse3 = gpu.floats(lse, bh * splits * n).reshape(bh, splits, n)
+    for s in range(splits):
+        part = scores[..., s * int(span) : (s + 1) * int(span)]
+        top = part.max(-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)
+        weights = np.exp2(part - top)
+        total = weights.sum(-1)
+        po4[:, s] = (
+            weights
+            @ v3[:, s * int(span) : (s + 1) * int(span)]
+            / np.maximum(total, 1e-300)[..., None]
+        )
+        lse3[:, s] = np.where(total > 0, np.log2(np.maximum(total, 1e-300)) + top[..., 0], -np.inf)
+
+
+def fake_mma_f16_merge(gpu, defines, grid, po, lse, out, seq_len, splits, total_rows):
+    n, s, d = int(seq_len), int(splits), defines["HEAD_DIM"]
+    bh = int(total_rows) // n
+    po4 = gpu.floats(po, bh * s * n * d).reshape(bh, s, n, d).astype(np.float64)
+    lse3 = gpu.floats(lse, bh * s * n).reshape(bh, s, n).astype(np.float64)
+    weights = np.exp2(lse3 - lse3.max(1, keepdims=True))
+    merged = (weights[..., None] * po4).sum(1) / weights.sum(1)[..., None]
+    store_half(gpu, out, merged, bool(defines["IS_FP16"]))
+
+
+#: the half-precision family's entries, emulated here (the shared fake driver knows float32's)
+HALF_KERNELS = {"mma_f16_attention": fake_mma_f16, "mma_f16_split_merge": fake_mma_f16_merge}
+
+
 class StreamAwareFunction:
     """The fake's kernels, taking pycuda's ``stream=`` keyword and logging it."""
 
-    def __init__(self, function: Any, log: list) -> None:
-        self.function, self.log = function, log
+    def __init__(self, function: Any, gpu: FakeGpu) -> None:
+        self.function, self.gpu, self.log = function, gpu, gpu.log
 
     def set_attribute(self, *args: Any) -> None:
         self.function.set_attribute(*args)
 
     def __call__(self, *args: Any, grid: Any, block: Any, shared: int, stream: Any = None):
         self.log.append(("launch", self.function.name, stream))
-        self.function(*args, grid=grid, block=block, shared=shared)
+        half = HALF_KERNELS.get(self.function.name)
+        if half is None:
+            self.function(*args, grid=grid, block=block, shared=shared)
+            return
+        defines = self.function.defines
+        merge = self.function.name.endswith("merge")
+        assert block == ((128 if merge else defines["WARPS"] * 32), 1, 1)
+        assert shared <= self.function.max_dynamic
+        half(self.gpu, defines, grid, *args)
 
 
 @pytest.fixture
@@ -504,7 +743,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGpu:
         state.loads += 1
         module = fake_load(cubin)
         return types.SimpleNamespace(
-            get_function=lambda name: StreamAwareFunction(module.get_function(name), state.log)
+            get_function=lambda name: StreamAwareFunction(module.get_function(name), state)
         )
 
     driver.module_from_buffer = module_from_buffer
@@ -568,6 +807,60 @@ def test_interface_arrays_run_the_stored_plan_with_everything_cached(gpu, regist
     assert all(stream is None for _, _, stream in gpu.log)  # the legacy default stream
 
 
+def half_on_fake_gpu(
+    gpu: FakeGpu, problem: Problem, seed: int = 0
+) -> tuple[list[np.ndarray], list[Any]]:
+    """q, k, v rounded to the problem's dtype (float64 values) and their device buffers."""
+    shape = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
+    rng = np.random.default_rng(seed)
+    drawn = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+    if problem.dtype == "float16":
+        stored = [x.astype(np.float16) for x in drawn]
+        values = [x.astype(np.float64) for x in stored]
+    else:
+        stored = [to_bfloat16(x) for x in drawn]
+        values = [from_bfloat16(x).astype(np.float64) for x in stored]
+    return values, [gpu.driver.to_device(x) for x in stored]
+
+
+HALF_SMALL = Problem(200, 32, batch=1, heads=2, causal=True, dtype="float16")
+HALF_SPLIT = HALF_STORED | {"split_target": 2}  # 200 keys in 7 tiles of 32: 4 splits
+
+
+def test_float16_arrays_run_the_stored_half_plan_with_float32_scratch(gpu, registry) -> None:
+    attend = ka.Attention(registry)
+    current = build.source_hash("mma_f16")
+    registry.record(
+        HALF_SMALL, attend.environment(), record("mma_f16", HALF_SPLIT, source_hash=current)
+    )
+    registry.record(of_dtype(HALF_SMALL, "float32"), attend.environment(), record(params=SPLIT))
+    values, buffers = half_on_fake_gpu(gpu, HALF_SMALL)
+    shape = values[0].shape
+    out = gpu.driver.mem_alloc(int(np.prod(shape)) * 2)
+    arrays = [FakeArray(shape, pointer=int(b), typestr="<f2") for b in (*buffers, out)]
+    allocations = gpu.allocations
+    for _ in range(2):
+        assert attend(*arrays[:3], True, out=arrays[3]) is arrays[3]
+    result = half_values(gpu, out, shape, fp16=True).reshape(2, 200, 32)
+    expected = attention_reference(*(a.reshape(2, 200, 32) for a in values), causal=True)
+    assert np.abs(result - expected).max() < 2e-3  # float16's rounding of the output
+    chosen = attend.plan_for(HALF_SMALL)
+    assert chosen.origin == "registry" and chosen.plan.params == KernelParams(
+        "mma_f16", **HALF_SPLIT
+    )
+    assert chosen.plan.sequence_splits == 4
+    assert [name for _, name, _ in gpu.log] == ["mma_f16_attention", "mma_f16_split_merge"] * 2
+    # The split scratch: allocated once, float32, in the sizes the family's buffer_elements says.
+    assert gpu.allocations == allocations + 2
+    runner = attend._runners[0]
+    prepared = runner.prepared((shape, "float16", True))
+    needed = buffer_elements(chosen.plan)
+    assert needed.partial_ml == 2 * 4 * 200  # one log-sum-exp per row and split
+    sizes = [gpu.memory[int(scratch)].nbytes for scratch in prepared.scratch]
+    assert sizes == [needed.partial_o * 4, needed.partial_ml * 4]
+    assert set(runner._prepared) == {(shape, "float16", True)}
+
+
 def test_a_producer_stream_is_waited_for(gpu, registry, monkeypatch) -> None:
     synchronised = []
     monkeypatch.setattr(gpu.driver.Context, "synchronize", lambda: synchronised.append(1))
@@ -599,8 +892,9 @@ def torch_on_fake_gpu(gpu: FakeGpu, caller_stream: int) -> types.ModuleType:
     events = iter(["inputs_ready", "done"])
 
     def empty_like(tensor: FakeTensor) -> FakeTensor:
-        allocation = gpu.driver.mem_alloc(int(np.prod(tensor.shape)) * 4)
-        return FakeTensor(tensor.shape, pointer=int(allocation))
+        element = 4 if tensor.dtype == "float32" else 2
+        allocation = gpu.driver.mem_alloc(int(np.prod(tensor.shape)) * element)
+        return FakeTensor(tensor.shape, pointer=int(allocation), dtype=tensor.dtype)
 
     torch.empty_like = empty_like
     torch.device = lambda kind, index: (kind, index)
@@ -638,3 +932,27 @@ def test_torch_tensors_run_on_the_callers_stream(gpu, registry, monkeypatch, cal
     ]
     assert fenced == once * 2
     assert all(stream.handle == 4242 for *_, stream in launches)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_torch_tensors_get_the_default_half_plan_and_an_output_of_their_dtype(
+    gpu, registry, monkeypatch, caplog, dtype
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu, 0))
+    problem = of_dtype(HALF_SMALL, dtype)
+    registry.record(of_dtype(problem, "float32"), ENV, record(params=SPLIT))  # never served
+    values, buffers = half_on_fake_gpu(gpu, problem, seed=1)
+    q, k, v = (FakeTensor(values[0].shape, pointer=int(b), dtype=dtype) for b in buffers)
+    attend = ka.Attention(registry)
+    outputs = [attend(q, k, v, causal=True) for _ in range(3)]
+    assert all(out.dtype == dtype and out.shape == q.shape for out in outputs)
+    fp16 = dtype == "float16"
+    result = half_values(gpu, outputs[0].data_ptr(), q.shape, fp16).reshape(2, 200, 32)
+    expected = attention_reference(*(a.reshape(2, 200, 32) for a in values), causal=True)
+    assert np.abs(result - expected).max() < (2e-3 if fp16 else 2e-2)
+    chosen = attend.plan_for(problem)
+    assert chosen.origin == "default" and chosen.plan.params.family == "mma_f16"
+    notes = warnings_of(caplog)
+    assert len(notes) == 1 and "falling back to the planner's default plan" in notes[0]
+    launched = {name for entry, name, _ in gpu.log if entry == "launch"}
+    assert launched <= set(HALF_KERNELS) and "mma_f16_attention" in launched

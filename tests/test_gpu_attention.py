@@ -2,6 +2,11 @@
 torch's ``scaled_dot_product_attention`` (1e-3 absolute), with a registry plan and with the
 default-plan fallback, on torch's default and a side stream; and the per-call overhead, printed.
 
+bfloat16 and float16 torch tensors: the same two paths (default plan, a plan stored for the
+dtype), judged by FlashAttention's rule: the error against a float64 reference of the same
+inputs is at most twice torch SDPA's own (the flash backend where it runs) plus 1e-5; the output
+has the inputs' dtype and the call does not wait for its kernels.
+
 Skipped where torch, pycuda, SQLAlchemy or a CUDA device is missing. Cubins are cached in
 ``$FLASH_ATTENTION_TUNER_CUBIN_CACHE`` (else the PyCUDA backend's default), so a second run
 compiles nothing. Run with ``-s`` or read the lines printed as ``[attention]``.
@@ -10,6 +15,7 @@ compiles nothing. Run with ``-s`` or read the lines printed as ``[attention]``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ import kernels
 import kernels.attention as ka
 from kernels import build
 from kernels.attention import Attention
+from tuner.planner.families import families_for
 from tuner.planner.tunable import KernelParams
 from tuner.problem import Problem
 
@@ -31,6 +38,20 @@ IDS = ["2x4x1000x64-causal", "1x2x4096x128-full"]
 #: a stored plan unlike the default one: 8 and 32 sequence splits on the two shapes, so the
 #: merge kernel and the split scratch run too
 STORED = {"threads": 256, "tile_size": 32, "rows_per_block": 64, "split_target": 4}
+HALF_DTYPES = ["bfloat16", "float16"]
+#: a stored half-precision plan unlike the default one: 4 and 16 key splits on the two shapes
+#: (merge kernel and float32 scratch), 64.5 and 119 KiB of shared memory (opt-in), no spills
+#: under nvcc 13.0 for sm_90a (161 and 214 registers)
+HALF_STORED = {
+    "block_m": 64,
+    "block_n": 64,
+    "warps": 4,
+    "stages": 3,
+    "q_in_registers": 1,
+    "split_target": 4,
+}
+#: FlashAttention's floor on top of twice torch's own error
+HALF_FLOOR = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +88,52 @@ def error_vs_sdpa(torch: Any, out: Any, q: Any, k: Any, v: Any, causal: bool) ->
     return float((out - want).abs().max().item())
 
 
-def problem_of(shape: tuple[int, ...], causal: bool) -> Problem:
+def problem_of(shape: tuple[int, ...], causal: bool, dtype: str = "float32") -> Problem:
     batch, heads, seq_len, head_dim = shape
-    return Problem(seq_len, head_dim, batch=batch, heads=heads, causal=causal)
+    return Problem(seq_len, head_dim, batch=batch, heads=heads, causal=causal, dtype=dtype)
+
+
+def half_inputs(torch: Any, shape: tuple[int, ...], dtype: str, seed: int = 0) -> list[Any]:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return [
+        torch.randn(shape, device="cuda", dtype=getattr(torch, dtype), generator=generator)
+        for _ in range(3)
+    ]
+
+
+def reference64(torch: Any, q: Any, k: Any, v: Any, causal: bool) -> Any:
+    """softmax(q k^T / sqrt(d)) v in float64 from the (rounded) inputs themselves."""
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:  # queries and keys of one length: top-left and bottom-right alignment agree
+        n = q.shape[-2]
+        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v64
+
+
+def sdpa_flash(torch: Any, q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, str]:
+    """torch's SDPA on the flash backend where it runs, else torch's own choice."""
+    attend = torch.nn.functional.scaled_dot_product_attention
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return attend(q, k, v, is_causal=causal), "sdpa"
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return attend(q, k, v, is_causal=causal), "sdpa flash"
+    except RuntimeError:  # no flash kernel for these inputs here
+        return attend(q, k, v, is_causal=causal), "sdpa"
+
+
+def half_errors(torch: Any, out: Any, q: Any, k: Any, v: Any, causal: bool) -> tuple[float, ...]:
+    """(our max error, torch's max error, our limit) against the float64 reference."""
+    with torch.no_grad():
+        want = reference64(torch, q, k, v, causal)
+        theirs, _ = sdpa_flash(torch, q, k, v, causal)
+        ours_error = float((out.to(torch.float64) - want).abs().max().item())
+        torch_error = float((theirs.to(torch.float64) - want).abs().max().item())
+    return ours_error, torch_error, 2 * torch_error + HALF_FLOOR
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -219,7 +283,7 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
     allocating_us = per_call_us(lambda: attend(q, k, v, False))
     # The floor: the same kernels launched straight through PyCUDA (the runner's own objects).
     runner = attend._runners[q.device.index]
-    prepared = runner.prepared((shape, False))
+    prepared = runner.prepared((shape, "float32", False))
     launches = prepared.launches(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
 
     def bare() -> None:
@@ -251,4 +315,103 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
     )
     assert returned_ms < 0.5 * kernel_ms
     assert given_us < 200  # generous: catches a query or a synchronisation per call, not noise
+    attend.close()
+
+
+# ---------------------------------------------------------------- bfloat16 and float16
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize(("shape", "causal"), SHAPES, ids=IDS)
+def test_half_default_plan_on_torch_tensors_matches_sdpa(
+    torch, no_registry, caplog, capsys, shape, causal, dtype
+) -> None:
+    attend = Attention()
+    q, k, v = half_inputs(torch, shape, dtype)
+    with torch.no_grad():
+        out = attend(q, k, v, causal)
+        again = attend(q, k, v, causal)
+    chosen = attend.plan_for(problem_of(shape, causal, dtype))
+    assert chosen.origin == "default" and chosen.plan.params.family in families_for(dtype)
+    notes = warnings_of(caplog)
+    assert len(notes) == 1 and "falling back to the planner's default plan" in notes[0]
+    assert out.shape == q.shape and out.dtype == q.dtype == getattr(torch, dtype)
+    assert out.device == q.device
+    ours, theirs, limit = half_errors(torch, out, q, k, v, causal)
+    assert ours <= limit, f"error {ours:.2e} > 2 x torch's {theirs:.2e} + {HALF_FLOOR}"
+    assert torch.equal(out, again)
+    say(
+        capsys,
+        f"{chosen.plan.problem.label()}: default {chosen.plan.key()}, error {ours:.1e} "
+        f"(torch {theirs:.1e})",
+    )
+    attend.close()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize(("shape", "causal"), SHAPES, ids=IDS)
+def test_half_registry_plan_on_torch_tensors_matches_sdpa(
+    torch, tmp_path, caplog, capsys, shape, causal, dtype
+) -> None:
+    from db import PlanRecord, PlanRegistry
+
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    problem = problem_of(shape, causal, dtype)
+    with PlanRegistry.open(url) as writer:
+        probe = Attention(writer)
+        stored = PlanRecord(
+            "mma_f16", dict(HALF_STORED), build.source_hash("mma_f16"), True, median_ms=1.0
+        )
+        writer.record(problem, probe.environment(), stored)
+        # the same shape in float32: a row of another dtype, never served for this one
+        other = PlanRecord("tiled", dict(STORED), build.source_hash("tiled"), True, median_ms=0.1)
+        writer.record(problem_of(shape, causal), probe.environment(), other)
+        probe.close()
+    q, k, v = half_inputs(torch, shape, dtype, seed=1)
+    with torch.no_grad():
+        out = kernels.attention(q, k, v, causal, registry=url)  # the shared instance of this URL
+    chosen = ka.default_instance(url).plan_for(problem)
+    assert chosen.origin == "registry"
+    assert chosen.plan.params == KernelParams("mma_f16", **HALF_STORED)
+    assert chosen.plan.sequence_splits > 1 and warnings_of(caplog) == []
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ours, theirs, limit = half_errors(torch, out, q, k, v, causal)
+    assert ours <= limit, f"error {ours:.2e} > 2 x torch's {theirs:.2e} + {HALF_FLOOR}"
+    # Given out, reused: filled in place; the registry is asked once for the shape.
+    counting = CountingRegistry(PlanRegistry.open(url, readonly=True))
+    attend, given = Attention(counting), torch.full_like(q, float("nan"))
+    for _ in range(5):
+        assert attend(q, k, v, causal, out=given) is given
+    assert counting.calls == 1 and torch.equal(given, out)
+    say(
+        capsys,
+        f"{problem.label()}: registry {chosen.plan.key()}, error {ours:.1e} (torch {theirs:.1e})",
+    )
+    attend.close()
+    counting.inner.close()
+    ka.clear_default_instances()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_half_call_does_not_wait_for_its_kernels(torch, no_registry, capsys, dtype) -> None:
+    attend = Attention()
+    # tensor cores: milliseconds of work need a larger problem than float32's 1x16x4096x128
+    big = half_inputs(torch, (4, 16, 8192, 128), dtype, seed=5)
+    out = attend(*big, False)  # first call: plan, compile, module
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    began = time.perf_counter()
+    attend(*big, False, out=out)
+    returned_ms = (time.perf_counter() - began) * 1e3
+    end.record()
+    end.synchronize()
+    kernel_ms = start.elapsed_time(end)
+    say(
+        capsys,
+        f"4x16x8192x128 {dtype}: the call returns after {returned_ms:.3f} ms, its kernels "
+        f"take {kernel_ms:.3f} ms",
+    )
+    assert out.dtype == big[0].dtype
+    assert returned_ms < 0.5 * kernel_ms
     attend.close()

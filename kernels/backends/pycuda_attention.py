@@ -5,6 +5,11 @@ importing this one loads no pycuda. ``DeviceRunner`` owns one GPU: its ``PyCudaB
 primary context, retained, pushed and popped around each call), a ``PlanChooser``, the loaded
 kernels and the split scratch of each shape.
 
+Every dtype takes the same path: the problem carries the inputs' dtype, the chooser picks among
+the families that take it, and the plan's family says the buffers (``buffer_elements``: the
+split scratch is float32 whatever the dtype) and the launches (``launch_sequence``). Results are
+allocated in the inputs' dtype.
+
 Contexts and streams: launches run in the device's primary context (torch's). PyCUDA launches
 only on its own ``Stream`` objects or on the legacy default stream (it cannot wrap a foreign
 stream handle), so:
@@ -36,7 +41,7 @@ from typing import Any
 
 from kernels import build
 from kernels.attention_args import (
-    FLOAT32,
+    NUMPY_DTYPES,
     AttentionInputError,
     DeviceArray,
     Inputs,
@@ -57,7 +62,7 @@ LEGACY_STREAMS = (0, 1)
 #: stream; 1: legacy default; 2: per-thread default, which syncs with the legacy one)
 ORDERED_STREAMS = (None, 1, 2)
 
-Key = tuple[tuple[int, ...], bool]  # (shape, causal); dtype is always float32
+Key = tuple[tuple[int, ...], str, bool]  # (shape, dtype, causal)
 
 
 class _Prepared:
@@ -136,8 +141,8 @@ class DeviceRunner:
         return found
 
     def _prepare(self, key: Key) -> _Prepared:
-        (batch, heads, seq_len, head_dim), causal = key
-        problem = Problem(seq_len, head_dim, batch=batch, heads=heads, causal=causal)
+        (batch, heads, seq_len, head_dim), dtype, causal = key
+        problem = Problem(seq_len, head_dim, batch=batch, heads=heads, causal=causal, dtype=dtype)
         plan = self.chooser.plan_for(problem).plan
         compiled = self._compiled.get(build.KernelSpec.from_plan(plan).key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
@@ -161,12 +166,13 @@ class DeviceRunner:
             scratch: tuple[Any, Any] = (None, None)
             if needed.partial_o:
                 try:
-                    scratch = (drv.mem_alloc(needed.partial_o * 4), None)
-                    scratch = (scratch[0], drv.mem_alloc(needed.partial_ml * 4))
+                    scratch = (drv.mem_alloc(needed.partial_o_bytes), None)
+                    scratch = (scratch[0], drv.mem_alloc(needed.partial_ml_bytes))
                 except drv.Error as error:
+                    nbytes = needed.partial_o_bytes + needed.partial_ml_bytes
                     raise BackendError(
-                        f"{plan.key()}: the split scratch of {problem.label()} "
-                        f"({(needed.partial_o + needed.partial_ml) * 4} B) does not fit: {error}"
+                        f"{plan.key()}: the split scratch of {problem.label()} ({nbytes} B) "
+                        f"does not fit: {error}"
                     ) from error
         return _Prepared(plan, functions, scratch)
 
@@ -193,10 +199,10 @@ class DeviceRunner:
                 ) from error
 
     def run_torch(self, inputs: Inputs, causal: bool, torch: Any) -> Any:
-        prepared = self.prepared((inputs.q.shape, causal))
+        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal))
         # torch work (allocation, stream and event calls) stays outside our pushed context.
         if inputs.out is None:
-            result = torch.empty_like(inputs.q.value)
+            result = torch.empty_like(inputs.q.value)  # q's dtype
             out = int(result.data_ptr())
         else:
             result, out = inputs.out.value, inputs.out.pointer
@@ -230,7 +236,7 @@ class DeviceRunner:
                     "primary context, which kernels.attention (and torch) use: allocate it "
                     "there (pycuda.autoprimaryctx, not pycuda.autoinit)"
                 )
-        prepared = self.prepared((inputs.q.shape, causal))
+        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal))
         with self.backend.active() as drv:
             if any(array.stream not in ORDERED_STREAMS for array in inputs.arrays):
                 drv.Context.synchronize()  # a producer stream PyCUDA cannot wait on
@@ -264,5 +270,5 @@ def _new_gpuarray(like: DeviceArray) -> Any:
     from pycuda import gpuarray
 
     if isinstance(like.value, gpuarray.GPUArray):
-        return gpuarray.empty_like(like.value)  # keeps the caller's allocator (a pool, say)
-    return gpuarray.empty(like.shape, FLOAT32)
+        return gpuarray.empty_like(like.value)  # q's dtype; keeps the caller's allocator (a pool)
+    return gpuarray.empty(like.shape, NUMPY_DTYPES[like.dtype])
