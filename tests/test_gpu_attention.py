@@ -48,6 +48,7 @@ HALF_STORED = {
     "warps": 4,
     "stages": 3,
     "q_in_registers": 1,
+    "s_groups": 1,
     "split_target": 4,
 }
 #: FlashAttention's floor on top of twice torch's own error
