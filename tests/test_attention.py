@@ -51,6 +51,7 @@ HALF_STORED = {
     "warps": 4,
     "stages": 2,
     "q_in_registers": 0,
+    "s_groups": 1,
     "split_target": 4,
 }
 
