@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 from evidence import read_best, run_tuning, tune_command
-from speed_check import timing_record
+from speed_check import TorchTimer, timing_record
 
 from kernels.timing import time_repetitions
 from tuner.problem import Problem
@@ -52,21 +52,6 @@ def parse_shape(text: str) -> Problem:
     causal = body.endswith("c")
     b, h, n, d = (int(x) for x in body.rstrip("c").split("x"))
     return Problem(n, d, batch=b, heads=h, causal=causal, dtype=DTYPES[dtype or "bf16"])
-
-
-class TorchTimer:
-    def __init__(self, torch: Any) -> None:
-        self.torch = torch
-        self.begin = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        self.begin.record()
-
-    def stop(self) -> float:
-        self.end.record()
-        self.end.synchronize()
-        return float(self.begin.elapsed_time(self.end))
 
 
 def time_peers(
