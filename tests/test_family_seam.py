@@ -19,7 +19,13 @@ from kernels.launch import DeviceBuffers, buffer_elements, launch_sequence
 from tuner.costmodel import predict
 from tuner.device import H200, DeviceProfile
 from tuner.planner import families
-from tuner.planner.families.base import CostTerms, KernelFamily, Tunable, executed_pairs
+from tuner.planner.families.base import (
+    CostTerms,
+    KernelFamily,
+    Tunable,
+    executed_pairs,
+    with_split_merge,
+)
 from tuner.planner.launches import KernelLaunch, kernel_launch, pointers, scale_log2
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
@@ -130,21 +136,7 @@ class ToyMma(KernelFamily):
                 np.float32(scale_log2(p.head_dim)),
             ),
         )
-        if plan.reduce_launch is None:
-            return (attention,)
-        merge = kernel_launch(
-            plan.reduce_launch,
-            "toy_split_merge",
-            (
-                partial_o,
-                partial_lse,
-                out,
-                seq_len,
-                np.int32(plan.sequence_splits),
-                np.int32(p.batch_heads * p.seq_len),
-            ),
-        )
-        return (attention, merge)
+        return with_split_merge(plan, attention, "toy_split_merge", buffers)
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         executed = executed_pairs(plan, plan.rows_per_block)

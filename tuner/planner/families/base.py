@@ -20,10 +20,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import numpy as np
+
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import BufferElements, DeviceBuffers, KernelLaunch
+from tuner.planner.launches import BufferElements, DeviceBuffers, KernelLaunch, kernel_launch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan
 from tuner.problem import Problem
@@ -253,3 +255,33 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
         return padded_rows * padded_keys
     causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * tile // 2)
     return min(causal, padded_rows * padded_keys)
+
+
+def with_split_merge(
+    plan: KernelPlan, attention: KernelLaunch, merge_function: str, buffers: DeviceBuffers
+) -> tuple[KernelLaunch, ...]:
+    """``attention`` alone without splits; with them, followed by the split merge.
+
+    Every family's merge kernel takes ``(partial_o, partial_stats, out, seq_len,
+    splits, batch_heads * seq_len)`` and runs on ``plan.reduce_launch``.
+    """
+    if plan.sequence_splits == 1:
+        return (attention,)
+    if not (buffers.partial_o and buffers.partial_ml):
+        raise ValueError(f"{plan.key()} needs split buffers; none were given")
+    if plan.reduce_launch is None:
+        raise ValueError(f"{plan.key()} has {plan.sequence_splits} splits but no merge launch")
+    p = plan.problem
+    merge = kernel_launch(
+        plan.reduce_launch,
+        merge_function,
+        (
+            np.uintp(buffers.partial_o),
+            np.uintp(buffers.partial_ml),
+            np.uintp(buffers.out),
+            np.int32(p.seq_len),
+            np.int32(plan.sequence_splits),
+            np.int32(p.batch_heads * p.seq_len),
+        ),
+    )
+    return (attention, merge)

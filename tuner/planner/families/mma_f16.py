@@ -34,6 +34,7 @@ from tuner.planner.families.base import (
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
+    with_split_merge,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
 from tuner.planner.launches import DeviceBuffers, KernelLaunch, kernel_launch, pointers, scale_log2
@@ -214,8 +215,6 @@ class MmaF16(KernelFamily):
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
         p = plan.problem
-        if plan.sequence_splits > 1 and not (buffers.partial_o and buffers.partial_ml):
-            raise ValueError(f"{plan.key()} needs split buffers; none were given")
         q, k, v, out, partial_o, partial_lse = pointers(buffers)
         seq_len = np.int32(p.seq_len)
         attention = kernel_launch(
@@ -234,23 +233,7 @@ class MmaF16(KernelFamily):
                 np.float32(scale_log2(p.head_dim)),
             ),
         )
-        if plan.sequence_splits == 1:
-            return (attention,)
-        if plan.reduce_launch is None:
-            raise ValueError(f"{plan.key()} has {plan.sequence_splits} splits but no merge launch")
-        merge = kernel_launch(
-            plan.reduce_launch,
-            "mma_f16_split_merge",
-            (
-                partial_o,
-                partial_lse,
-                out,
-                seq_len,
-                np.int32(plan.sequence_splits),
-                np.int32(p.batch_heads * p.seq_len),
-            ),
-        )
-        return (attention, merge)
+        return with_split_merge(plan, attention, "mma_f16_split_merge", buffers)
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         """Shared traffic per K/V tile and warp: ldmatrix reads of the K tile (once

@@ -31,6 +31,7 @@ from tuner.planner.families.base import (
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
+    with_split_merge,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
 from tuner.planner.launches import DeviceBuffers, KernelLaunch, kernel_launch, pointers, scale_log2
@@ -238,8 +239,6 @@ class Tiled(KernelFamily):
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
         p = plan.problem
-        if plan.sequence_splits > 1 and not (buffers.partial_o and buffers.partial_ml):
-            raise ValueError(f"{plan.key()} needs split buffers; none were given")
         if plan.launch.grid[1] != plan.sequence_splits:
             # The kernel tells one split from several by gridDim.y.
             raise ValueError(
@@ -254,23 +253,7 @@ class Tiled(KernelFamily):
             "tiled_attention",
             (q, k, v, out, partial_o, partial_ml, seq_len, keys_per_split, scale),
         )
-        if plan.sequence_splits == 1:
-            return (attention,)
-        if plan.reduce_launch is None:
-            raise ValueError(f"{plan.key()} has {plan.sequence_splits} splits but no merge launch")
-        merge = kernel_launch(
-            plan.reduce_launch,
-            "split_merge",
-            (
-                partial_o,
-                partial_ml,
-                out,
-                seq_len,
-                np.int32(plan.sequence_splits),
-                np.int32(p.batch_heads * p.seq_len),
-            ),
-        )
-        return (attention, merge)
+        return with_split_merge(plan, attention, "split_merge", buffers)
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         """Shared traffic per K/V tile: a thread reads its ``rows_per_thread`` Q rows and
