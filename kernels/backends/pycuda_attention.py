@@ -47,6 +47,7 @@ from kernels.attention_args import (
     Inputs,
     PointerFacts,
     current_context,
+    problem_from_shapes,
 )
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.launch import DeviceBuffers, KernelLaunch, buffer_elements, launch_sequence
@@ -54,7 +55,6 @@ from kernels.plan_choice import PlanChooser
 from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.tunable import KernelPlan
-from tuner.problem import Problem
 
 #: stream handles that mean the legacy default stream (0, cudaStreamLegacy)
 LEGACY_STREAMS = (0, 1)
@@ -62,7 +62,7 @@ LEGACY_STREAMS = (0, 1)
 #: stream; 1: legacy default; 2: per-thread default, which syncs with the legacy one)
 ORDERED_STREAMS = (None, 1, 2)
 
-Key = tuple[tuple[int, ...], str, bool]  # (shape, dtype, causal)
+Key = tuple[tuple[int, ...], tuple[int, ...], str, bool]  # (q shape, k shape, dtype, causal)
 
 
 class _Prepared:
@@ -141,8 +141,8 @@ class DeviceRunner:
         return found
 
     def _prepare(self, key: Key) -> _Prepared:
-        (batch, heads, seq_len, head_dim), dtype, causal = key
-        problem = Problem(seq_len, head_dim, batch=batch, heads=heads, causal=causal, dtype=dtype)
+        q_shape, kv_shape, dtype, causal = key
+        problem = problem_from_shapes(q_shape, kv_shape, dtype, causal)
         plan = self.chooser.plan_for(problem).plan
         compiled = self._compiled.get(build.KernelSpec.from_plan(plan).key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
@@ -199,7 +199,7 @@ class DeviceRunner:
                 ) from error
 
     def run_torch(self, inputs: Inputs, causal: bool, torch: Any) -> Any:
-        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal))
+        prepared = self.prepared((inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal))
         # torch work (allocation, stream and event calls) stays outside our pushed context.
         if inputs.out is None:
             result = torch.empty_like(inputs.q.value)  # q's dtype
@@ -236,7 +236,7 @@ class DeviceRunner:
                     "primary context, which kernels.attention (and torch) use: allocate it "
                     "there (pycuda.autoprimaryctx, not pycuda.autoinit)"
                 )
-        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal))
+        prepared = self.prepared((inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal))
         with self.backend.active() as drv:
             if any(array.stream not in ORDERED_STREAMS for array in inputs.arrays):
                 drv.Context.synchronize()  # a producer stream PyCUDA cannot wait on
