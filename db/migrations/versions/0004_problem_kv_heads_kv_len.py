@@ -36,9 +36,7 @@ def upgrade() -> None:
         batch.alter_column("kv_heads", existing_type=sa.Integer(), nullable=False)
         batch.alter_column("kv_len", existing_type=sa.Integer(), nullable=False)
         batch.drop_constraint("uq_problems_shape", type_="unique")
-        batch.create_unique_constraint(
-            "uq_problems_shape", [*_SHAPE_0003, "kv_heads", "kv_len"]
-        )
+        batch.create_unique_constraint("uq_problems_shape", [*_SHAPE_0003, "kv_heads", "kv_len"])
 
 
 def downgrade() -> None:

@@ -58,9 +58,7 @@ NON_MATMUL_FLOPS_PER_PAIR = 5
 SPLIT_COUNTS: tuple[int, ...] = tuple(2**k for k in range(0, 10))
 
 
-def decode_f16_shared_bytes(
-    rows: int, block_n: int, stages: int, warps: int, head_dim: int
-) -> int:
+def decode_f16_shared_bytes(rows: int, block_n: int, stages: int, warps: int, head_dim: int) -> int:
     """Dynamic shared memory of ``kernels/decode_f16.cu``: Q's packed rows, then the K/V
     ring, which the warps' float32 merge scratch reuses after the key loop."""
     row_bytes = ELEMENT_BYTES * (head_dim + SHARED_ROW_PAD)
@@ -162,9 +160,12 @@ class DecodeF16(KernelFamily):
             read += F32_BYTES * partial
             write += F32_BYTES * partial
         executed_rows = row_blocks * rows  # per KV head, padding included
-        non_matmul = bkv * executed_rows * (
-            tile_count * block_n * NON_MATMUL_FLOPS_PER_PAIR + tile_count * (d + 4)
-        ) + bh * n * (splits - 1) * d * 3
+        non_matmul = (
+            bkv
+            * executed_rows
+            * (tile_count * block_n * NON_MATMUL_FLOPS_PER_PAIR + tile_count * (d + 4))
+            + bh * n * (splits - 1) * d * 3
+        )
         blocks_per_sm = blocks_per_sm_of(threads, shared, None, device)
         occupancy, waves = occupancy_and_waves(launch, threads, blocks_per_sm, device)
         if not reason and blocks_per_sm == 0:
