@@ -170,10 +170,11 @@ def numpy_q() -> Any:
 
 BAD_ARRAYS = {
     "rank": (lambda: [FakeArray((4, 64, 32))], ka.AttentionInputError, r"q has 3 dimensions"),
+    # k may be shorter (a KV cache) or have fewer heads (GQA), never another head_dim
     "shapes": (
-        lambda: [FakeArray(), FakeArray((2, 4, 32, 32))],
+        lambda: [FakeArray(), FakeArray((2, 4, 64, 16))],
         ka.AttentionInputError,
-        r"k has shape \(2, 4, 32, 32\) but q has shape \(2, 4, 64, 32\)",
+        r"k has shape \(2, 4, 64, 16\) but q has shape \(2, 4, 64, 32\)",
     ),
     "dtype": (
         lambda: [FakeArray(), FakeArray(), FakeArray(typestr="<f2")],
@@ -669,10 +670,12 @@ def store_half(gpu: FakeGpu, address: Any, values: np.ndarray, fp16: bool) -> No
     target[:] = np.frombuffer(bits.tobytes(), dtype=np.uint8)
 
 
-def fake_mma_f16(gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, span, scale_log2):
+def fake_mma_f16(
+    gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, group, span, scale_log2
+):
     """``mma_f16_attention`` in float64: per split, normalised partials and a log2-sum-exp."""
     n, d, splits, bh, fp16 = int(seq_len), defines["HEAD_DIM"], grid[1], grid[2], defines["IS_FP16"]
-    assert int(kv_len) == n and grid[0] == -(-n // defines["BLOCK_M"])
+    assert int(kv_len) == n and int(group) == 1 and grid[0] == -(-n // defines["BLOCK_M"])
     q3, k3, v3 = (half_values(gpu, a, (bh, n, d), fp16) for a in (q, k, v))
     scores = np.einsum("bqd,bkd->bqk", q3, k3) * float(scale_log2)
     if defines["CAUSAL"]:
@@ -854,12 +857,12 @@ def test_float16_arrays_run_the_stored_half_plan_with_float32_scratch(gpu, regis
     # The split scratch: allocated once, float32, in the sizes the family's buffer_elements says.
     assert gpu.allocations == allocations + 2
     runner = attend._runners[0]
-    prepared = runner.prepared((shape, "float16", True))
+    prepared = runner.prepared((shape, shape, "float16", True))
     needed = buffer_elements(chosen.plan)
     assert needed.partial_ml == 2 * 4 * 200  # one log-sum-exp per row and split
     sizes = [gpu.memory[int(scratch)].nbytes for scratch in prepared.scratch]
     assert sizes == [needed.partial_o * 4, needed.partial_ml * 4]
-    assert set(runner._prepared) == {(shape, "float16", True)}
+    assert set(runner._prepared) == {(shape, shape, "float16", True)}
 
 
 def test_a_producer_stream_is_waited_for(gpu, registry, monkeypatch) -> None:
