@@ -331,3 +331,37 @@ def test_decode_shared_memory_follows_the_kernels_layout() -> None:
     assert decode_f16_shared_bytes(32, 32, 2, 8, 128) == 2 * 136 * 32 + merge
     p = plan(DECODE, "decode_f16", block_n=64, warps=4, stages=4, m_tiles=1, splits=16)
     assert p.launch.shared_bytes == decode_f16_shared_bytes(16, 64, 4, 4, 128)
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_exports_carry_kv_heads_and_kv_len_and_old_exports_read_as_self_attention(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from db import PlanRecord, PlanRegistry
+
+    source = f"sqlite:///{tmp_path / 'a.sqlite'}"
+    record = PlanRecord("decode_f16", {"splits": 8}, "h", measured=True, median_ms=0.14)
+    old = Problem(4096, 128, dtype="bfloat16")
+    with PlanRegistry.open(source) as registry:
+        registry.record(DECODE, ENVIRONMENT, record)
+        registry.record(old, ENVIRONMENT, record)
+        registry.export(tmp_path / "plans.json")
+    document = json.loads((tmp_path / "plans.json").read_text())
+    problems = [entry["problem"] for entry in document["plans"]]
+    assert {(p["kv_heads"], p["kv_len"]) for p in problems} == {(8, 8192), (1, 4096)}
+    # an export written before GQA has no kv fields: its problems are self-attention
+    document["plans"] = [e for e in document["plans"] if e["problem"]["seq_len"] == 4096]
+    for entry in document["plans"]:
+        del entry["problem"]["kv_heads"], entry["problem"]["kv_len"]
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    with PlanRegistry.open(f"sqlite:///{tmp_path / 'b.sqlite'}") as target:
+        target.import_(tmp_path / "old.json")
+        served = target.best(old, ENVIRONMENT)
+        assert served is not None and served.problem == old
+    with PlanRegistry.open(source, readonly=True) as registry:
+        served = registry.best(DECODE, ENVIRONMENT)
+        assert served is not None and served.problem == DECODE
