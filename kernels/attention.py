@@ -17,7 +17,8 @@ path of a call. The pieces live beside it:
 * ``kernels.attention_args``: the argument checks, done before any CUDA call, and the device of
   interface arrays (``AttentionInputError`` names the argument, what it was and what is
   expected); q, k, v (and ``out``) share one dtype: float32, bfloat16 or float16 (bfloat16 only
-  as torch tensors: ``__cuda_array_interface__`` has no name for it);
+  as torch tensors: ``__cuda_array_interface__`` has no name for it); k and v may have fewer
+  heads (GQA) and another length (a KV cache; causal is bottom-right aligned), inferred there;
 * ``kernels.plan_choice``: the plan of each shape and dtype, asked of the registry once per
   shape, dtype and GPU, with the planner's default plan for that dtype as a fallback and a
   warning (logger ``kernels.attention``) where none fits;
