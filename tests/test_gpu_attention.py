@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 import kernels
-import kernels.attention as ka
+import kernels.deploy as ka
 from kernels import build
-from kernels.attention import Attention
+from kernels.deploy import Attention
 from tuner.planner.families import families_for
 from tuner.planner.tunable import KernelParams
 from tuner.problem import Problem
@@ -282,19 +282,15 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
 
     given_us = per_call_us(lambda: attend(q, k, v, False, out=out))
     allocating_us = per_call_us(lambda: attend(q, k, v, False))
-    # The floor: the same kernels launched straight through PyCUDA (the runner's own objects).
-    runner = attend._runners[q.device.index]
-    prepared = runner.prepared((shape, "float32", False))
-    launches = prepared.launches(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    # The floor: the handle's own bound cuLaunchKernel calls, nothing around them.
+    handle = attend.handle(problem_of(shape, False), q.device.index)
+    launches = handle.slot(0, lambda nbytes: 1 / 0).calls  # the default stream's, made above
 
     def bare() -> None:
         for launch in launches:
-            prepared.functions[launch.function](
-                *launch.args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes
-            )
+            launch()
 
-    with runner.backend.active():
-        bare_us = per_call_us(bare)
+    bare_us = per_call_us(bare)
     # No host synchronisation: a call whose kernels take milliseconds returns long before.
     big = inputs(torch, (1, 16, 4096, 128), seed=5)
     attend(*big, False)
@@ -310,7 +306,7 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
     say(
         capsys,
         f"per call ({len(launches)} launch(es), {calls} calls, 1x1x128x64): {given_us:.1f} us "
-        f"with out=, {allocating_us:.1f} us allocating out; bare PyCUDA launches {bare_us:.1f} us "
+        f"with out=, {allocating_us:.1f} us allocating out; bare launches {bare_us:.1f} us "
         f"-> overhead {given_us - bare_us:.1f} us. 1x16x4096x128: the call returns after "
         f"{returned_ms:.3f} ms, its kernels take {kernel_ms:.3f} ms",
     )
