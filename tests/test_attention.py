@@ -1187,3 +1187,42 @@ def test_a_read_only_registry_url_serves_its_plans(gpu, tmp_path, caplog) -> Non
     chosen = attend.plan_for(SMALL)
     assert chosen.origin == "registry" and chosen.plan.params == KernelParams("tiled", **SPLIT)
     assert attend._registry.readonly and warnings_of(caplog) == []
+
+
+def test_a_slot_keeps_what_its_packed_pointers_point_at() -> None:
+    import ctypes
+    import gc
+
+    problem = Problem(1000, 64, batch=2, heads=4, causal=True)
+    split = plan_kernel(problem, KernelParams("tiled", **STORED), H200)
+    launches = launch_sequence(split, attention_handle.BUFFER_MARKERS)
+    functions = {"tiled_attention": 1, "split_merge": 2}
+    templates = attention_handle.launch_templates(launches, functions)
+    handle = attention_handle.AttentionHandle(
+        problem,
+        0,
+        plan_choice.ChosenPlan(split, "default"),
+        templates,
+        buffer_elements(split),
+        cuda_driver.CudaDriver(library=types.SimpleNamespace(cuLaunchKernel=lambda *a: 0)),
+        None,
+    )
+    slot = handle.new_slot(0, lambda nbytes: (None, 1 << 33))
+    params = [launch.params for launch in slot.packed]
+    held = {ctypes.addressof(a) for launch in slot.packed for a in launch.arguments}
+    pointed = {
+        params[i][j] for i, launch in enumerate(slot.packed) for j in range(len(launch.arguments))
+    }
+    assert pointed <= held  # every address the driver reads is an object the slot holds
+    slot.q.value = 4096
+    del handle
+    gc.collect()
+    # What cuLaunchKernel would read: each void* dereferenced as the kernel's parameter type.
+    read = {np.uintp: ctypes.c_void_p, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+    first = launches[0].args
+    seen = [
+        ctypes.cast(params[0][i], ctypes.POINTER(read[type(value)])).contents.value or 0
+        for i, value in enumerate(first)
+    ]
+    assert seen[0] == 4096 and seen[4:6] == [1 << 33, 1 << 33]
+    assert seen[6:] == pytest.approx([float(value) for value in first[6:]])

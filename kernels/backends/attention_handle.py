@@ -99,8 +99,16 @@ def _addresses(buffers: DeviceBuffers) -> tuple[int, ...]:
 class StreamSlot:
     """One stream's packed launches and split scratch; ``lock`` makes write + launch atomic."""
 
-    def __init__(self, pointers: dict[str, Any], calls: tuple[Callable[[], int], ...], owners):
+    def __init__(
+        self,
+        pointers: dict[str, Any],
+        packed: tuple[PackedLaunch, ...],
+        calls: tuple[Callable[[], int], ...],
+        owners: tuple[Any, ...],
+    ) -> None:
         self.q, self.k, self.v, self.out = (pointers[role] for role in ROLES[:4])
+        # The argument objects live here: the drivers' ``void*[]`` hold only their addresses.
+        self.packed = packed
         self.calls = calls
         self.owners = owners  # the scratch allocations: alive as long as the slot
         self.lock = threading.Lock()
@@ -165,9 +173,9 @@ class AttentionHandle:
                 owners.append(owner)
                 addresses[role] = address
         pointers = {role: ctypes.c_void_p(addresses.get(role, 0)) for role in ROLES}
-        packed = [self._pack(template, pointers) for template in self.templates]
+        packed = tuple(self._pack(template, pointers) for template in self.templates)
         calls = tuple(self.driver.bind_launch(launch, stream) for launch in packed)
-        return StreamSlot(pointers, calls, tuple(owners))
+        return StreamSlot(pointers, packed, calls, tuple(owners))
 
     def _pack(self, template: LaunchTemplate, pointers: dict[str, Any]) -> PackedLaunch:
         arguments = [
