@@ -300,9 +300,17 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
 
     given_us = per_call_us(lambda: attend(q, k, v, False, out=out))
     allocating_us = per_call_us(lambda: attend(q, k, v, False))
-    # The floor: the handle's own bound cuLaunchKernel calls, nothing around them.
+    # The floor: the handle's launches bound to this stream, addresses written once.
     handle = attend.handle(problem_of(shape, False), q.device.index)
-    launches = handle.slot(0, lambda nbytes: 1 / 0).calls  # the default stream's, made above
+
+    def scratch(nbytes: int) -> tuple[Any, int]:
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+        return owner, owner.data_ptr()
+
+    slot = handle.new_slot(torch.cuda.current_stream().cuda_stream, scratch)
+    slot.q.value, slot.k.value, slot.v.value = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    slot.out.value = out.data_ptr()
+    launches = slot.calls
 
     def bare() -> None:
         for launch in launches:
@@ -373,6 +381,7 @@ def test_a_cuda_graph_captures_the_call_and_replays_it(
 
 
 def test_compile_fullgraph_matches_eager_and_reuses_the_handle(torch, no_registry, capsys):
+    ka.clear_default_instances()
     shape, causal = (1, 16, 1000, 128), True
     q, k, v = half_inputs(torch, shape, "bfloat16", seed=10)
 
