@@ -123,7 +123,8 @@ class Attention:
     def call_eager(self, q: Any, k: Any, v: Any, causal: Any, out: Any) -> Any:
         """The call outside torch.compile's tracing (``__call__`` less that check)."""
         torch = sys.modules.get("torch")
-        if torch is not None and type(q) is torch.Tensor and type(k) is type(q) is type(v):
+        plain = torch is not None and type(q) is torch.Tensor and type(k) is type(q) is type(v)
+        if plain and (causal is True or causal is False):  # 1 == True: refused, not a key hit
             handle = self._torch_handles.get(torch_signature(q, k, v, causal))
             if handle is not None:
                 pointers = torch_pointers(q, k, v, out, handle.tensor_bytes, torch)

@@ -984,7 +984,9 @@ def test_the_fast_path_skips_the_checks_and_the_plan_lookup(gpu, registry, monke
         attend(q, FakeTensor(q.shape, pointer=k.pointer, contiguous=False), v, True)
     with pytest.raises(ka.AttentionInputError, match=r"^v requires grad"):
         attend(q, k, FakeTensor(q.shape, pointer=v.pointer, requires_grad=True), True)
-    assert len(checked) == 4
+    with pytest.raises(ka.AttentionInputTypeError, match=r"^causal must be a bool, got 1$"):
+        attend(q, k, v, 1, out=out)  # equal to True as a key, but not a bool
+    assert len(checked) == 5
 
 
 def test_one_handle_per_problem_and_device(gpu, registry, monkeypatch) -> None:
