@@ -327,9 +327,9 @@ def torch_pointers(
         return None
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return None
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    q_at, k_at, v_at = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if out is None:
-        return pointers
+        return q_at, k_at, v_at
     if (
         type(out) is not type(q)
         or out.shape != q.shape
@@ -338,10 +338,15 @@ def torch_pointers(
         or not out.is_contiguous()
     ):
         return None
-    start = out.data_ptr()
-    if any(p < start + nbytes and start < p + nbytes for p in pointers):
+    out_at = out.data_ptr()
+    out_end = out_at + nbytes
+    if (
+        (q_at < out_end and out_at < q_at + nbytes)
+        or (k_at < out_end and out_at < k_at + nbytes)
+        or (v_at < out_end and out_at < v_at + nbytes)
+    ):
         return None
-    return pointers
+    return q_at, k_at, v_at
 
 
 def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> None:
