@@ -221,8 +221,9 @@ class AttentionHandle:
             # In a graph capture: scratch from the graph's pool, never an eager slot's.
             slot = self.new_slot(stream, _torch_allocator(torch, like.device))
         else:
-            allocate = _torch_allocator(torch, like.device)
-            slot = self._slots.get(stream) or self.slot(stream, allocate)
+            slot = self._slots.get(stream)
+            if slot is None:
+                slot = self.slot(stream, _torch_allocator(torch, like.device))
         self.launch(slot, q, k, v, result.data_ptr())
         return result
 
