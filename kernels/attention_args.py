@@ -27,9 +27,7 @@ torch is never imported here: a torch tensor exists only if the caller imported 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ctypes.util
 import functools
 import math
 import sys
@@ -38,6 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kernels.cuda_driver import libcuda
 from tuner.errors import TunerError
 from tuner.problem import DTYPE_BYTES, SUPPORTED_DTYPES, Problem, shape_error
 
@@ -148,7 +147,7 @@ def describe(name: str, value: Any) -> DeviceArray:
     return _describe_interface(name, value, interface)
 
 
-def _describe_tensor(name: str, value: Any, torch: Any) -> DeviceArray:
+def _describe_tensor(name: str, value: Any, torch: Any, pointer: bool = True) -> DeviceArray:
     device = value.device
     if device.type != "cuda":
         raise AttentionInputTypeError(
@@ -165,12 +164,13 @@ def _describe_tensor(name: str, value: Any, torch: Any) -> DeviceArray:
             f"{name} is not C-contiguous (shape {shape}, strides {tuple(value.stride())} "
             f"elements); pass {name}.contiguous()"
         )
-    if value.requires_grad and torch.is_grad_enabled():
+    if pointer and value.requires_grad and torch.is_grad_enabled():
         raise AttentionInputError(
             f"{name} requires grad, but kernels.attention has no backward pass; call it under "
             f"torch.no_grad() or pass {name}.detach()"
         )
-    return DeviceArray(name, value, True, shape, value.data_ptr(), device.index or 0, dtype)
+    address = value.data_ptr() if pointer else 0
+    return DeviceArray(name, value, True, shape, address, device.index or 0, dtype)
 
 
 @functools.lru_cache(maxsize=4)
@@ -243,27 +243,7 @@ def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
     """Check every argument and their agreement; no CUDA call (the pointer checks come later)."""
     first, *given = describe("q", q), describe("k", k), describe("v", v)
     result = describe("out", out) if out is not None else None
-    for other in given if result is None else (*given, result):
-        if other.is_torch != first.is_torch:
-            raise AttentionInputTypeError(
-                f"{other.name} is a {_kind(other)} but q is a {_kind(first)}; pass q, k, v "
-                "(and out) of one kind"
-            )
-        if other.dtype != first.dtype:
-            which = (
-                "out must have q's dtype"
-                if other.name == "out"
-                else "q, k and v must share one dtype"
-            )
-            raise AttentionInputTypeError(
-                f"{other.name} has dtype {other.dtype} but q has dtype {first.dtype}; {which}"
-            )
-        _check_agreeing_shape(first, given[0], other)
-        if other.device != first.device:
-            raise AttentionInputError(
-                f"{other.name} is on cuda:{other.device} but q is on cuda:{first.device}; all "
-                "arrays must be on one GPU"
-            )
+    _check_agreement(first, *(given if result is None else (*given, result)))
     if result is not None:
         if result.readonly:
             raise AttentionInputError("out is read-only (its __cuda_array_interface__ says so)")
@@ -278,6 +258,32 @@ def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
                     "writing out: pass a separate array"
                 )
     return Inputs(first, *given, result)
+
+
+def _check_agreement(first: DeviceArray, *others: DeviceArray) -> None:
+    """k, v (and out) against q (``others`` start with k): one kind, one dtype, one GPU;
+    out of q's shape, k and v of one ``[batch, kv_heads, kv_len, head_dim]`` shape."""
+    for other in others:
+        if other.is_torch != first.is_torch:
+            raise AttentionInputTypeError(
+                f"{other.name} is a {_kind(other)} but q is a {_kind(first)}; pass q, k, v "
+                "(and out) of one kind"
+            )
+        if other.dtype != first.dtype:
+            which = (
+                "out must have q's dtype"
+                if other.name == "out"
+                else "q, k and v must share one dtype"
+            )
+            raise AttentionInputTypeError(
+                f"{other.name} has dtype {other.dtype} but q has dtype {first.dtype}; {which}"
+            )
+        _check_agreeing_shape(first, others[0], other)
+        if other.device != first.device:
+            raise AttentionInputError(
+                f"{other.name} is on cuda:{other.device} but q is on cuda:{first.device}; all "
+                "arrays must be on one GPU"
+            )
 
 
 def _check_agreeing_shape(q: DeviceArray, k: DeviceArray, other: DeviceArray) -> None:
@@ -309,8 +315,15 @@ def _check_agreeing_shape(q: DeviceArray, k: DeviceArray, other: DeviceArray) ->
         )
 
 
+def check_causal(causal: Any) -> bool:
+    if not isinstance(causal, bool | np.bool_):
+        raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
+
+
 def problem_of(inputs: Inputs, causal: bool) -> Problem:
-    """The problem of checked inputs: q's shape, kv_heads and kv_len from k's."""
+    """The problem checked inputs pose: what a handle is resolved (and cached) for; kv_heads
+    and kv_len from k's shape."""
     return problem_from_shapes(inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal)
 
 
@@ -336,10 +349,74 @@ def problem_from_shapes(
     )
 
 
-def check_causal(causal: Any) -> bool:
-    if not isinstance(causal, bool | np.bool_):
-        raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
-    return bool(causal)
+# ---------------------------------------------------------------------------- torch, per call
+
+
+def torch_signature(q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, ...]:
+    """What a call on torch tensors (``type(q) is type(k) is type(v) is torch.Tensor``) is
+    keyed by: every property of q, k and v the problem and device follow from. A signature seen
+    before passed ``check_inputs`` then; ``torch_pointers`` checks what it does not cover."""
+    return (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.get_device(),
+        k.get_device(),
+        v.get_device(),
+        causal,
+    )
+
+
+def torch_pointers(
+    q: Any, k: Any, v: Any, out: Any, nbytes: int, torch: Any, kv_nbytes: int | None = None
+) -> tuple[int, int, int] | None:
+    """q, k, v's addresses when a call with a known signature needs no other check, else None
+    (the caller then runs ``check_inputs``, which says what is wrong): each contiguous, no
+    gradient asked for, ``out`` (if given) a contiguous tensor like q apart from the inputs.
+    ``nbytes``: the bytes of q and of out; ``kv_nbytes`` of k and of v (default ``nbytes``)."""
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return None
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        return None
+    q_at, k_at, v_at = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if out is None:
+        return q_at, k_at, v_at
+    if (
+        type(out) is not type(q)
+        or out.shape != q.shape
+        or out.dtype != q.dtype
+        or out.get_device() != q.get_device()
+        or not out.is_contiguous()
+    ):
+        return None
+    out_at = out.data_ptr()
+    out_end = out_at + nbytes
+    kv_nbytes = nbytes if kv_nbytes is None else kv_nbytes
+    if (
+        (q_at < out_end and out_at < q_at + nbytes)
+        or (k_at < out_end and out_at < k_at + kv_nbytes)
+        or (v_at < out_end and out_at < v_at + kv_nbytes)
+    ):
+        return None
+    return q_at, k_at, v_at
+
+
+def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> None:
+    """``check_inputs`` for tensors without storage (torch's fake tensors, while
+    ``torch.compile`` traces): every check but those of addresses and gradients."""
+    arrays = [("q", q), ("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
+    torch = sys.modules["torch"]  # fake tensors exist only where torch was imported
+    described = []
+    for name, value in arrays:
+        if not isinstance(value, torch.Tensor):
+            raise AttentionInputTypeError(
+                f"{name} is a {_type_name(value)}; under torch.compile pass torch CUDA tensors"
+            )
+        described.append(_describe_tensor(name, value, torch, pointer=False))
+    _check_agreement(*described)
 
 
 # ---------------------------------------------------------------------------- pointer facts
@@ -355,22 +432,17 @@ class PointerFacts(NamedTuple):
 
 @functools.cache
 def _libcuda() -> Any | None:
-    """The driver library (loaded already where pycuda or torch run); None where absent."""
-    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll", ctypes.util.find_library("cuda")):
-        if not name:
-            continue
-        with contextlib.suppress(OSError):
-            library = ctypes.CDLL(name)
-            library.cuPointerGetAttributes.argtypes = [
-                ctypes.c_uint,
-                ctypes.POINTER(ctypes.c_int),
-                ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_ulonglong,
-            ]
-            library.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-            library.cuInit(0)  # idempotent; pointer queries need an initialised driver
-            return library
-    return None
+    """The driver library with the pointer query's argument types; None where absent."""
+    library = libcuda()
+    if library is not None:
+        library.cuPointerGetAttributes.argtypes = [
+            ctypes.c_uint,
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_ulonglong,
+        ]
+        library.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    return library
 
 
 def query_pointer(pointer: int) -> PointerFacts | None:

@@ -6,8 +6,10 @@ predicted-only plan is used with a warning, a plan tuned on the same GPU model u
 toolchain too; a plan from another GPU is not used, nor one stored for another dtype or of a
 family that does not take the problem's dtype. Without one, the planner's default plan (among
 the families that take the dtype, the feasible candidate with the lowest predicted time on the
-live device that passes ``check``) is used as a fallback, with a warning that says so. Warnings
-go to the ``kernels.attention`` logger, once per shape (and dtype).
+live device that passes ``check``) is used as a fallback, marked ``origin="default"``, with a
+warning that says so; so is a registry that was asked for but could not be opened (a missing
+file, a server that does not answer: ``registry_unavailable`` says why). Warnings go to the
+``kernels.attention`` logger, once per shape (and dtype).
 
 Pure apart from the injected ``check`` (on a GPU: compile and judge the compiler's resources)
 and the registry handle, so it is tested without a GPU.
@@ -91,6 +93,7 @@ class PlanChooser:
         nearest: bool = False,
         check: PlanCheck | None = None,
         registry_label: str = "",
+        registry_unavailable: str = "",
     ) -> None:
         self.registry = registry
         self.environment = environment
@@ -100,6 +103,8 @@ class PlanChooser:
         self.nearest = nearest
         self._check: PlanCheck = check or (lambda plan: plan)
         self._label = registry_label or str(getattr(registry, "url", "")) or "(unnamed)"
+        #: why the registry asked for could not be opened (then ``registry`` is None)
+        self.registry_unavailable = registry_unavailable
         self._plans: dict[Problem, ChosenPlan] = {}
         self._lock = threading.Lock()
 
@@ -139,6 +144,8 @@ class PlanChooser:
 
     def _lookup(self, problem: Problem) -> tuple[StoredPlan | None, str]:
         label = problem.label()
+        if self.registry is None and self.registry_unavailable:
+            return None, f"plan registry unavailable ({self.registry_unavailable})"
         if self.registry is None:
             return None, f"no plan registry (none given, no {default_registry_file()})"
         ask = {"nearest": self.nearest, "source_hashes": self.source_hashes}

@@ -1,5 +1,6 @@
-"""``kernels.attention`` without a GPU: argument checks, plan choice, caches, and the launch path
-on the fake PyCUDA driver of ``test_pycuda_backend`` (numpy emulations of the kernels).
+"""``kernels.attention`` without a GPU: argument checks, plan choice, handles and their caches,
+and the launch path on the fake PyCUDA driver of ``test_pycuda_backend`` with a fake
+``kernels.cuda_driver`` (numpy emulations of the kernels run on the packed arguments).
 
 Argument checks use small fakes exposing ``__cuda_array_interface__`` and a fake ``torch``
 module; a test that reaches CUDA where it should not fails with ``ReachedCuda``.
@@ -21,9 +22,9 @@ import numpy as np
 import pytest
 from test_pycuda_backend import FakeGpu, make_driver
 
-import kernels.attention as ka
+import kernels.deploy as ka
 from db import PlanRecord, PlanRegistry, default_registry_url
-from kernels import attention_args, build, plan_choice
+from kernels import attention_args, build, cuda_driver, plan_choice
 from kernels.backends import pycuda_attention
 from kernels.bfloat16 import from_bfloat16, to_bfloat16
 from kernels.build import CompiledKernel, KernelSpec
@@ -93,8 +94,9 @@ def test_importing_kernels_loads_no_pycuda_torch_or_database() -> None:
         "heavy = lambda: [m for m in ('pycuda', 'torch', 'sqlalchemy') if m in sys.modules]\n"
         "assert not heavy(), heavy()\n"
         "assert callable(kernels.attention) and kernels.Attention.__name__ == 'Attention'\n"
-        "import kernels.attention\n"
-        "from kernels.attention import attention\n"
+        "import kernels.deploy\n"
+        "from kernels import attention, Attention\n"
+        "from kernels.backends import attention_handle\n"
         "assert not heavy(), heavy()\n"
         "print('clean')\n"
     )
@@ -143,14 +145,13 @@ def test_only_the_pycuda_backend_modules_import_pycuda() -> None:
     assert pycuda_imports(probe) == ["pycuda.gpuarray"]
 
 
-def test_kernels_attention_is_the_module_and_calls_the_function(monkeypatch) -> None:
+def test_kernels_attention_is_a_plain_function_and_attention_a_class() -> None:
     import kernels
 
-    seen = []
-    monkeypatch.setattr(ka, "attention", lambda *a, **kw: seen.append((a, kw)) or "done")
-    assert kernels.attention is ka
-    assert kernels.attention(1, 2, 3, causal=True) == "done"
-    assert seen == [((1, 2, 3), {"causal": True})]
+    assert kernels.attention is ka.attention and kernels.Attention is ka.Attention
+    assert isinstance(kernels.attention, types.FunctionType)
+    assert isinstance(kernels.Attention, type)
+    assert "kernels.attention" not in sys.modules  # no module of that name shadows it
 
 
 # ------------------------------------------------------------------------ argument checks
@@ -295,12 +296,16 @@ class FakeTensor:
     def data_ptr(self) -> int:
         return self.pointer
 
+    def get_device(self) -> int:
+        return self.device.index if self.device.type == "cuda" else -1
+
 
 def fake_torch_module() -> types.ModuleType:
     torch = types.ModuleType("torch")
     torch.Tensor, torch.float32 = FakeTensor, "float32"
     torch.bfloat16, torch.float16 = "bfloat16", "float16"
     torch.is_grad_enabled = lambda: True
+    torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)
     return torch
 
 
@@ -379,16 +384,6 @@ def test_good_torch_tensors_reach_their_gpu(fake_torch: Any, monkeypatch) -> Non
     with pytest.raises(ZeroDivisionError):
         ka.Attention()(*tensors(*[FakeTensor(index=3, pointer=i << 40) for i in (1, 2, 3)]))
     assert asked == [3]
-
-
-def test_the_current_stream_is_read_raw_where_torch_allows() -> None:
-    torch = fake_torch_module()
-    current = types.SimpleNamespace(cuda_stream=7)
-    torch.cuda = types.SimpleNamespace(current_stream=lambda index: current)
-    current_stream_handle = pycuda_attention._current_stream_handle
-    assert current_stream_handle(torch, 0) == 7  # the public API
-    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: 100 + index)
-    assert current_stream_handle(torch, 2) == 102  # the raw query, no Stream object
 
 
 def test_pointer_facts_give_the_device_and_refuse_host_memory() -> None:
@@ -715,7 +710,7 @@ HALF_KERNELS = {"mma_f16_attention": fake_mma_f16, "mma_f16_split_merge": fake_m
 
 
 class StreamAwareFunction:
-    """The fake's kernels, taking pycuda's ``stream=`` keyword and logging it."""
+    """The fake's kernels with the stream they were launched on, logged."""
 
     def __init__(self, function: Any, gpu: FakeGpu) -> None:
         self.function, self.gpu, self.log = function, gpu, gpu.log
@@ -736,22 +731,53 @@ class StreamAwareFunction:
         half(self.gpu, defines, grid, *args)
 
 
+class FakeCudaDriver:
+    """``kernels.cuda_driver.CudaDriver`` on the fake GPU: modules from the fake pycuda driver,
+    launches that run the emulated kernels on the values the packed arguments hold then."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu, self.modules, self.functions, self.unloaded = gpu, {}, {}, []
+        self.load = make_driver(gpu).module_from_buffer
+
+    def load_module(self, image: bytes) -> int:
+        self.gpu.loads += 1
+        module = self.load(image)
+        self.modules[id(module)] = module
+        return id(module)
+
+    def get_function(self, module: int, name: str) -> int:
+        function = StreamAwareFunction(self.modules[module].get_function(name), self.gpu)
+        self.functions[id(function)] = function
+        return id(function)
+
+    def set_max_dynamic_shared(self, function: int, nbytes: int) -> None:
+        self.functions[function].set_attribute("MAXDYN", nbytes)
+
+    def unload_module(self, module: int) -> None:
+        self.unloaded.append(module)
+
+    def bind_launch(self, launch: cuda_driver.PackedLaunch, stream: int) -> Any:
+        def call() -> int:
+            function = self.functions[launch.function]
+            function(
+                *launch.values(),
+                grid=launch.grid,
+                block=launch.block,
+                shared=launch.shared_bytes,
+                stream=stream,
+            )
+            return 0
+
+        return call
+
+    def check(self, status: int, what: str) -> None:
+        if status:
+            raise BackendError(f"{what}: CUDA error {status}")
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGpu:
     state = FakeGpu()
     state.log, state.compiled, state.loads = [], [], 0
     driver = make_driver(state)
-    fake_load = driver.module_from_buffer
-
-    def module_from_buffer(cubin: bytes) -> Any:
-        state.loads += 1
-        module = fake_load(cubin)
-        return types.SimpleNamespace(
-            get_function=lambda name: StreamAwareFunction(module.get_function(name), state)
-        )
-
-    driver.module_from_buffer = module_from_buffer
-    driver.Stream = lambda: types.SimpleNamespace(handle=4242)
     package = types.ModuleType("pycuda")
     package.VERSION_TEXT, package.driver = "2026.1", driver
     monkeypatch.setitem(sys.modules, "pycuda", package)
@@ -767,6 +793,8 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGpu:
     monkeypatch.setattr(build, "compile_kernel", fake_compile)
     # Never the real driver from this process: the suite forks CUDA workers elsewhere.
     monkeypatch.setattr(pycuda_attention, "current_context", lambda: None)
+    state.cuda = FakeCudaDriver(state)
+    monkeypatch.setattr(pycuda_attention, "CudaDriver", lambda: state.cuda)
     facts = attention_args.PointerFacts(2, 0, 0)
     monkeypatch.setattr(attention_args, "query_pointer", lambda pointer: facts)
     state.driver = driver
@@ -808,7 +836,9 @@ def test_interface_arrays_run_the_stored_plan_with_everything_cached(gpu, regist
     assert gpu.allocations == allocations + 2  # split scratch (partials, max/sum), once
     assert gpu.loads == 1 and len(set(gpu.compiled)) == 1 and gpu.stack_depth == 0
     assert [name for _, name, _ in gpu.log] == ["tiled_attention", "split_merge"] * 3
-    assert all(stream is None for _, _, stream in gpu.log)  # the legacy default stream
+    assert all(stream == 0 for _, _, stream in gpu.log)  # the legacy default stream
+    assert attend.handle(SMALL) is attend.handle(SMALL)  # one handle, one slot: stream 0
+    assert list(attend.handle(SMALL)._slots) == [0]
 
 
 def half_on_fake_gpu(
@@ -857,12 +887,12 @@ def test_float16_arrays_run_the_stored_half_plan_with_float32_scratch(gpu, regis
     # The split scratch: allocated once, float32, in the sizes the family's buffer_elements says.
     assert gpu.allocations == allocations + 2
     runner = attend._runners[0]
-    prepared = runner.prepared((shape, shape, "float16", True))
+    handle = runner.handle(HALF_SMALL)
     needed = buffer_elements(chosen.plan)
     assert needed.partial_ml == 2 * 4 * 200  # one log-sum-exp per row and split
-    sizes = [gpu.memory[int(scratch)].nbytes for scratch in prepared.scratch]
+    sizes = [gpu.memory[int(scratch)].nbytes for scratch in handle._slots[0].owners]
     assert sizes == [needed.partial_o * 4, needed.partial_ml * 4]
-    assert set(runner._prepared) == {(shape, shape, "float16", True)}
+    assert set(runner._handles) == {HALF_SMALL}
 
 
 def test_a_producer_stream_is_waited_for(gpu, registry, monkeypatch) -> None:
@@ -878,71 +908,170 @@ def test_a_producer_stream_is_waited_for(gpu, registry, monkeypatch) -> None:
     assert synchronised == [1]
 
 
-class Recorder:
-    def __init__(self, name: str, log: list) -> None:
-        self.name, self.log, self.cuda_stream = name, log, 0
-
-    def record(self, stream: Any) -> None:
-        self.log.append(("record", self.name, stream.name))
-
-    def wait_event(self, event: Any) -> None:
-        self.log.append(("wait", self.name, event.name))
-
-
-def torch_on_fake_gpu(gpu: FakeGpu, caller_stream: int) -> types.ModuleType:
+def torch_on_fake_gpu(gpu: FakeGpu, stream: int = 0) -> types.ModuleType:
+    """The fake torch with what the handle's torch path calls: torch's current device, stream
+    and capture state (``torch._C``), and allocations on the fake GPU."""
     torch = fake_torch_module()
-    caller = Recorder("caller", gpu.log)
-    caller.cuda_stream = caller_stream
-    events = iter(["inputs_ready", "done"])
+    torch.uint8 = "uint8"
+    state = types.SimpleNamespace(stream=stream, capturing=False, device=0)
+    torch.fake_state = state
 
     def empty_like(tensor: FakeTensor) -> FakeTensor:
         element = 4 if tensor.dtype == "float32" else 2
         allocation = gpu.driver.mem_alloc(int(np.prod(tensor.shape)) * element)
         return FakeTensor(tensor.shape, pointer=int(allocation), dtype=tensor.dtype)
 
-    torch.empty_like = empty_like
-    torch.device = lambda kind, index: (kind, index)
-    torch.cuda = types.SimpleNamespace(
-        current_stream=lambda index: caller,
-        ExternalStream=lambda handle, device: Recorder(f"ours:{handle}", gpu.log),
-        Event=lambda: Recorder(next(events), gpu.log),
+    def empty(nbytes: int, *, dtype: str, device: Any) -> FakeTensor:
+        assert dtype == "uint8" and device.type == "cuda"
+        return FakeTensor((nbytes,), pointer=int(gpu.driver.mem_alloc(nbytes)), dtype=dtype)
+
+    torch.empty_like, torch.empty = empty_like, empty
+    torch._C = types.SimpleNamespace(
+        _cuda_getDevice=lambda: state.device,
+        _cuda_getCurrentRawStream=lambda index: state.stream,
+        _cuda_isCurrentStreamCapturing=lambda: state.capturing,
     )
     return torch
+
+
+def fake_tensors(gpu: FakeGpu, problem: Problem, seed: int = 0) -> tuple[list, list]:
+    """q, k, v drawn on the fake GPU and an output buffer, as torch tensors."""
+    host, buffers = on_fake_gpu(gpu, problem, seed)
+    return host, [FakeTensor(host[0].shape, pointer=int(b)) for b in buffers]
+
+
+def store_split_plan(attend: ka.Attention, registry: PlanRegistry) -> None:
+    """A measured plan for SMALL with key splits (so split scratch and the merge kernel)."""
+    current = build.source_hash("tiled")
+    registry.record(SMALL, attend.environment(), record(params=SPLIT, source_hash=current))
+
+
+def expected_small(host: list[np.ndarray]) -> np.ndarray:
+    return attention_reference(*(a.reshape(2, 200, 32) for a in host), causal=True)
 
 
 @pytest.mark.parametrize("caller_stream", [0, 99])
 def test_torch_tensors_run_on_the_callers_stream(gpu, registry, monkeypatch, caller_stream):
     monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu, caller_stream))
-    host, buffers = on_fake_gpu(gpu, SMALL)
-    q, k, v = (FakeTensor(h.shape, pointer=int(b)) for h, b in zip(host, buffers, strict=False))
+    host, (q, k, v, _) = fake_tensors(gpu, SMALL)
     attend = ka.Attention(registry)
     for _ in range(2):
         out = attend(q, k, v, causal=True)
-        expected = attention_reference(*(a.reshape(2, 200, 32) for a in host), causal=True)
         result = read(gpu, out.data_ptr(), host[0].shape).reshape(2, 200, 32)
-        assert np.abs(result - expected).max() < 1e-4
+        assert np.abs(result - expected_small(host)).max() < 1e-4
     launches = [entry for entry in gpu.log if entry[0] == "launch"]
-    if caller_stream == 0:  # torch's default stream is PyCUDA's default: launched right there
-        assert all(stream is None for *_, stream in launches) and len(gpu.log) == len(launches)
-        return
-    fenced = [e[:2] if e[0] == "launch" else e for e in gpu.log]
-    kernels_of_one_call = [("launch", name) for _, name, _ in launches[: len(launches) // 2]]
-    once = [
-        ("record", "inputs_ready", "caller"),
-        ("wait", "ours:4242", "inputs_ready"),
-        *kernels_of_one_call,
-        ("record", "done", "ours:4242"),
-        ("wait", "caller", "done"),
-    ]
-    assert fenced == once * 2
-    assert all(stream.handle == 4242 for *_, stream in launches)
+    assert launches and all(stream == caller_stream for *_, stream in launches)
+    assert len(gpu.log) == len(launches)  # no events, no fences: straight onto that stream
+
+
+def test_the_fast_path_skips_the_checks_and_the_plan_lookup(gpu, registry, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu))
+    host, (q, k, v, out) = fake_tensors(gpu, SMALL)
+    counting = CountingRegistry(registry)
+    attend = ka.Attention(counting)
+    store_split_plan(attend, registry)
+    checked = []
+    check = ka.check_inputs
+    monkeypatch.setattr(ka, "check_inputs", lambda *a: checked.append(1) or check(*a))
+    allocations = gpu.allocations
+    for _ in range(4):
+        assert attend(q, k, v, True, out=out) is out
+    assert checked == [1] and counting.calls == 1  # found for this GPU: once
+    assert gpu.allocations == allocations + 2  # the split scratch of stream 0, once
+    result = read(gpu, out.data_ptr(), host[0].shape).reshape(2, 200, 32)
+    assert np.abs(result - expected_small(host)).max() < 1e-4
+    # Declined by the fast path, refused by the full checks with the usual message:
+    with pytest.raises(ka.AttentionInputError, match=r"^out overlaps q in memory"):
+        attend(q, k, v, True, out=FakeTensor(q.shape, pointer=q.pointer + 64))
+    with pytest.raises(ka.AttentionInputError, match=r"^k is not C-contiguous"):
+        attend(q, FakeTensor(q.shape, pointer=k.pointer, contiguous=False), v, True)
+    with pytest.raises(ka.AttentionInputError, match=r"^v requires grad"):
+        attend(q, k, FakeTensor(q.shape, pointer=v.pointer, requires_grad=True), True)
+    with pytest.raises(ka.AttentionInputTypeError, match=r"^causal must be a bool, got 1$"):
+        attend(q, k, v, 1, out=out)  # equal to True as a key, but not a bool
+    assert len(checked) == 5
+
+
+def test_one_handle_per_problem_and_device(gpu, registry, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu))
+    counting = CountingRegistry(registry)
+    attend = ka.Attention(counting)
+    _, (q, k, v, _) = fake_tensors(gpu, SMALL)
+    attend(q, k, v, True)
+    handle = attend.handle(SMALL)
+    assert attend.handle(Problem(200, 32, batch=1, heads=2, causal=True)) is handle  # equal
+    assert handle.problem == SMALL and handle.device == 0 and handle.chosen.origin == "default"
+    others = {
+        "dtype": of_dtype(SMALL, "float16"),
+        "causal": Problem(200, 32, batch=1, heads=2, causal=False),
+        "shape": Problem(256, 32, batch=1, heads=2, causal=True),
+    }
+    handles = {name: attend.handle(problem) for name, problem in others.items()}
+    assert len({id(h) for h in (handle, *handles.values())}) == 4
+    assert all(handles[name].problem == others[name] for name in others)
+    for _ in range(3):
+        for problem in (SMALL, *others.values()):
+            attend.handle(problem)
+    assert counting.calls == 2 * 4  # per problem: this GPU, then any GPU; once
+    # q, k, v of another signature (shape) reach another handle; the same problem, the same
+    _, (q2, k2, v2, _) = fake_tensors(gpu, others["shape"])
+    attend(q2, k2, v2, True)
+    assert set(attend._torch_handles.values()) == {handle, handles["shape"]}
+
+
+def test_scratch_per_stream_and_per_capture(gpu, registry, monkeypatch) -> None:
+    torch = torch_on_fake_gpu(gpu)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    host, (q, k, v, out) = fake_tensors(gpu, SMALL)
+    attend = ka.Attention(registry)
+    store_split_plan(attend, registry)
+    attend(q, k, v, True, out=out)
+    handle = attend.handle(SMALL)
+    assert handle.has_scratch and handle.chosen.origin == "registry"
+    torch.fake_state.stream = 7
+    attend(q, k, v, True, out=out)
+    assert sorted(handle._slots) == [0, 7]
+    scratch = [{owner.pointer for owner in handle._slots[s].owners} for s in (0, 7)]
+    assert len(scratch[0]) == 2 and not scratch[0] & scratch[1]  # streams never share scratch
+    allocations = gpu.allocations
+    torch.fake_state.capturing = True  # a CUDA-graph capture: scratch of its own, not kept
+    for _ in range(2):
+        attend(q, k, v, True, out=out)
+    assert gpu.allocations == allocations + 4 and sorted(handle._slots) == [0, 7]
+    result = read(gpu, out.data_ptr(), host[0].shape).reshape(2, 200, 32)
+    assert np.abs(result - expected_small(host)).max() < 1e-4
+
+
+def test_another_current_device_is_switched_to(gpu, registry, monkeypatch) -> None:
+    torch = torch_on_fake_gpu(gpu)
+    switched = []
+
+    class DeviceGuard:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            switched.append(self.index)
+            torch.fake_state.device = self.index
+
+        def __exit__(self, *exc: Any) -> None:
+            torch.fake_state.device = 1
+
+    torch.cuda = types.SimpleNamespace(device=DeviceGuard)
+    torch.fake_state.device = 1
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    host, (q, k, v, _) = fake_tensors(gpu, SMALL)
+    out = ka.Attention(registry)(q, k, v, True)
+    assert switched == [0] and torch.fake_state.device == 1
+    result = read(gpu, out.data_ptr(), host[0].shape).reshape(2, 200, 32)
+    assert np.abs(result - expected_small(host)).max() < 1e-4
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_torch_tensors_get_the_default_half_plan_and_an_output_of_their_dtype(
     gpu, registry, monkeypatch, caplog, dtype
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu, 0))
+    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu))
     problem = of_dtype(HALF_SMALL, dtype)
     registry.record(of_dtype(problem, "float32"), ENV, record(params=SPLIT))  # never served
     values, buffers = half_on_fake_gpu(gpu, problem, seed=1)
@@ -960,3 +1089,38 @@ def test_half_torch_tensors_get_the_default_half_plan_and_an_output_of_their_dty
     assert len(notes) == 1 and "falling back to the planner's default plan" in notes[0]
     launched = {name for entry, name, _ in gpu.log if entry == "launch"}
     assert launched <= set(HALF_KERNELS) and "mma_f16_attention" in launched
+
+
+# ------------------------------------------------------------------------ registry at deploy time
+
+
+def test_a_registry_that_cannot_be_opened_gives_the_fallback_and_one_warning(
+    gpu, tmp_path, caplog
+) -> None:
+    missing = f"sqlite:///{tmp_path / 'nowhere' / 'plans.sqlite'}"
+    attend = ka.Attention(missing)
+    _, buffers = on_fake_gpu(gpu, SMALL)
+    arrays = [FakeArray((1, 2, 200, 32), pointer=int(b)) for b in buffers]
+    for _ in range(3):
+        attend(*arrays[:3], True, out=arrays[3])
+    chosen = attend.plan_for(SMALL)
+    assert chosen.origin == "default"  # the mark: not a registry plan
+    (note,) = warnings_of(caplog)
+    assert note.startswith("plan registry unavailable (no plan registry at ")
+    assert "falling back to the planner's default plan" in note
+    assert not (tmp_path / "nowhere").exists()  # a read-only open creates nothing
+
+
+def test_a_read_only_registry_url_serves_its_plans(gpu, tmp_path, caplog) -> None:
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    attend = ka.Attention(url)
+    with PlanRegistry.open(url) as writer:
+        current = build.source_hash("tiled")
+        writer.record(SMALL, attend.environment(), record(params=SPLIT, source_hash=current))
+    (tmp_path / "plans.sqlite").chmod(0o444)
+    _, buffers = on_fake_gpu(gpu, SMALL)
+    arrays = [FakeArray((1, 2, 200, 32), pointer=int(b)) for b in buffers]
+    attend(*arrays[:3], True, out=arrays[3])
+    chosen = attend.plan_for(SMALL)
+    assert chosen.origin == "registry" and chosen.plan.params == KernelParams("tiled", **SPLIT)
+    assert attend._registry.readonly and warnings_of(caplog) == []

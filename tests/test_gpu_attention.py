@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 import kernels
-import kernels.attention as ka
+import kernels.deploy as ka
 from kernels import build
-from kernels.attention import Attention
+from kernels.deploy import Attention
 from tuner.planner.families import families_for
 from tuner.planner.tunable import KernelParams
 from tuner.problem import Problem
@@ -53,6 +53,9 @@ HALF_STORED = {
 }
 #: FlashAttention's floor on top of twice torch's own error
 HALF_FLOOR = 1e-5
+#: graph capture: a split plan in each precision (scratch and merge kernel inside the graph)
+GRAPH_CASES = [((1, 2, 1000, 64), True, "float32"), ((1, 16, 1000, 128), False, "bfloat16")]
+GRAPH_IDS = ["1x2x1000x64-causal-float32", "1x16x1000x128-full-bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,21 @@ def half_errors(torch: Any, out: Any, q: Any, k: Any, v: Any, causal: bool) -> t
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def stored_split_plan(torch: Any, tmp_path: Path, shape: tuple[int, ...], causal: bool, dtype: str):
+    """A registry URL holding a plan with key splits for this problem (``STORED`` or
+    ``HALF_STORED``), recorded for this GPU's environment."""
+    from db import PlanRecord, PlanRegistry
+
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    family, params = ("tiled", STORED) if dtype == "float32" else ("mma_f16", HALF_STORED)
+    with PlanRegistry.open(url) as writer:
+        probe = Attention(writer)
+        stored = PlanRecord(family, dict(params), build.source_hash(family), True, median_ms=1.0)
+        writer.record(problem_of(shape, causal, dtype), probe.environment(), stored)
+        probe.close()
+    return url
 
 
 class CountingRegistry:
@@ -282,19 +300,23 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
 
     given_us = per_call_us(lambda: attend(q, k, v, False, out=out))
     allocating_us = per_call_us(lambda: attend(q, k, v, False))
-    # The floor: the same kernels launched straight through PyCUDA (the runner's own objects).
-    runner = attend._runners[q.device.index]
-    prepared = runner.prepared((shape, shape, "float32", False))
-    launches = prepared.launches(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    # The floor: the handle's launches bound to this stream, addresses written once.
+    handle = attend.handle(problem_of(shape, False), q.device.index)
+
+    def scratch(nbytes: int) -> tuple[Any, int]:
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+        return owner, owner.data_ptr()
+
+    slot = handle.new_slot(torch.cuda.current_stream().cuda_stream, scratch)
+    slot.q.value, slot.k.value, slot.v.value = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    slot.out.value = out.data_ptr()
+    launches = slot.calls
 
     def bare() -> None:
         for launch in launches:
-            prepared.functions[launch.function](
-                *launch.args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes
-            )
+            launch()
 
-    with runner.backend.active():
-        bare_us = per_call_us(bare)
+    bare_us = per_call_us(bare)
     # No host synchronisation: a call whose kernels take milliseconds returns long before.
     big = inputs(torch, (1, 16, 4096, 128), seed=5)
     attend(*big, False)
@@ -310,12 +332,90 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
     say(
         capsys,
         f"per call ({len(launches)} launch(es), {calls} calls, 1x1x128x64): {given_us:.1f} us "
-        f"with out=, {allocating_us:.1f} us allocating out; bare PyCUDA launches {bare_us:.1f} us "
+        f"with out=, {allocating_us:.1f} us allocating out; bare launches {bare_us:.1f} us "
         f"-> overhead {given_us - bare_us:.1f} us. 1x16x4096x128: the call returns after "
         f"{returned_ms:.3f} ms, its kernels take {kernel_ms:.3f} ms",
     )
     assert returned_ms < 0.5 * kernel_ms
     assert given_us < 200  # generous: catches a query or a synchronisation per call, not noise
+    attend.close()
+
+
+# ---------------------------------------------------------------- graphs, compile, handles
+
+
+@pytest.mark.parametrize(("shape", "causal", "dtype"), GRAPH_CASES, ids=GRAPH_IDS)
+def test_a_cuda_graph_captures_the_call_and_replays_it(
+    torch, tmp_path, capsys, shape, causal, dtype
+) -> None:
+    url = stored_split_plan(torch, tmp_path, shape, causal, dtype)  # split scratch + merge
+    attend = Attention(url)
+    q, k, v = half_inputs(torch, shape, dtype, seed=7)
+    with torch.no_grad():
+        eager = attend(q, k, v, causal)  # first call: plan, compile, load (never in a capture)
+        handle = attend.handle(problem_of(shape, causal, dtype), q.device.index)
+        assert handle.chosen.origin == "registry" and handle.has_scratch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # torch's rule: warm up on a side stream first
+            attend(q, k, v, causal)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        static_out = torch.empty_like(q)
+        with torch.cuda.graph(graph):
+            captured = attend(q, k, v, causal)
+            attend(q, k, v, causal, out=static_out)
+        slots = set(handle._slots)
+        for seed in (8, 9):  # new inputs copied into the captured ones, then replayed
+            fresh = half_inputs(torch, shape, dtype, seed=seed)
+            for target, source in zip((q, k, v), fresh, strict=True):
+                target.copy_(source)
+            graph.replay()
+            want = attend(*fresh, causal)
+            torch.cuda.synchronize()
+            assert torch.equal(captured, want) and torch.equal(static_out, want)
+        assert set(handle._slots) == slots  # the capture kept no scratch of its own
+    say(capsys, f"{handle.problem.label()}: CUDA graph replay equals eager ({handle.plan.key()})")
+    del eager
+    attend.close()
+
+
+def test_compile_fullgraph_matches_eager_and_reuses_the_handle(torch, no_registry, capsys):
+    ka.clear_default_instances()
+    shape, causal = (1, 16, 1000, 128), True
+    q, k, v = half_inputs(torch, shape, "bfloat16", seed=10)
+
+    class Block(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            return kernels.attention(q, k, v, causal) * 2 + 1
+
+    with torch.no_grad():
+        eager = Block()(q, k, v)
+        compiled = torch.compile(Block(), fullgraph=True)
+        first = compiled(q, k, v)
+        again = compiled(q, k, v)
+        torch.cuda.synchronize()
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+    shared = ka.default_instance()
+    assert len(shared._runners[q.device.index]._handles) == 1  # eager and compiled: one handle
+    explained = torch._dynamo.explain(Block())(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    say(capsys, "torch.compile(fullgraph=True) of a module calling kernels.attention: equal")
+    ka.clear_default_instances()
+
+
+def test_handles_are_reused_and_distinct_per_problem(torch, no_registry) -> None:
+    attend = Attention()
+    with torch.no_grad():
+        q, k, v = half_inputs(torch, (1, 2, 256, 64), "bfloat16", seed=11)
+        for _ in range(3):
+            attend(q, k, v, False)
+            attend(q, k, v, True)
+            attend(*(t.float() for t in (q, k, v)), False)
+    runner = attend._runners[q.device.index]
+    assert len(runner._handles) == 3 and len(attend._torch_handles) == 3
+    problem = problem_of((1, 2, 256, 64), False, "bfloat16")
+    assert attend.handle(problem, q.device.index) is runner._handles[problem]
     attend.close()
 
 

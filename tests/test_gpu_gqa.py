@@ -138,7 +138,7 @@ def test_attention_infers_kv_heads_and_kv_len_from_torch_tensors(tmp_path, monke
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device answers torch")
     monkeypatch.chdir(tmp_path)  # an empty data directory: the default plan serves
-    from kernels.attention import Attention
+    from kernels.deploy import Attention
 
     attend = Attention()
     generator = torch.Generator(device="cuda").manual_seed(3)

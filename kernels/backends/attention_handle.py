@@ -1,0 +1,249 @@
+"""One resolved attention problem on one GPU: what every call of that shape reuses.
+
+``AttentionHandle`` is made once per (``Problem``, device) by ``DeviceRunner.handle`` and holds
+the chosen plan, the loaded kernels, the launch geometry and, per stream, a ``StreamSlot``: the
+split scratch and the arguments packed once (``kernels.cuda_driver``). A call then writes the
+four addresses q, k, v, out into the slot's pointer objects and launches: no plan lookup, no
+argument packing, no allocation (but the output where none is given), no host synchronisation.
+
+Why per stream: the split scratch is written by the attention kernel and read by the merge
+kernel; two calls on one stream are ordered, on two streams they would race on one scratch. A
+call inside a CUDA-graph capture gets scratch of its own from torch's allocator (the graph's
+private pool), so a graph never shares scratch with eager calls.
+
+The roles of the pointer arguments are found by building the family's launches with marker
+addresses (``BUFFER_MARKERS``): any family, any argument order, with no family named here.
+Import-safe without CUDA or torch: the driver is injected, torch is the caller's module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.cuda_driver import (
+    CUDA_ERROR_INVALID_CONTEXT,
+    PackedLaunch,
+    ctypes_argument,
+    pack_launch,
+)
+from kernels.launch import BufferElements, DeviceBuffers, KernelLaunch
+from kernels.plan_choice import ChosenPlan
+from tuner.errors import BackendError
+from tuner.problem import Problem
+
+#: buffer roles, in ``DeviceBuffers`` order
+ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml")
+#: addresses no allocation has (above 2**63), one per role: where a launch built with these has
+#: one, that argument is that buffer's pointer
+BUFFER_MARKERS = DeviceBuffers(*((0xF1A5 << 48) + index for index in range(len(ROLES))))
+
+#: ``allocate(nbytes) -> (owner, address)``: device memory that lives as long as ``owner``
+Allocate = Callable[[int], tuple[Any, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchTemplate:
+    """A launch with its arguments as roles (a buffer's name) or constants."""
+
+    name: str
+    function: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    arguments: tuple[str | np.int32 | np.float32 | np.uintp, ...]
+
+
+def launch_templates(
+    launches: tuple[KernelLaunch, ...], functions: dict[str, int]
+) -> tuple[LaunchTemplate, ...]:
+    """``launches`` (built with ``BUFFER_MARKERS``) with each pointer argument named by role."""
+    addresses = _addresses(BUFFER_MARKERS)
+    markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
+    templates = []
+    for launch in launches:
+        arguments: list[str | np.int32 | np.float32 | np.uintp] = []
+        for position, value in enumerate(launch.args):
+            if isinstance(value, np.uintp):
+                role = markers.get(int(value))
+                if role is None:
+                    raise BackendError(
+                        f"{launch.function} argument {position} is a pointer that is none of "
+                        f"the buffers {', '.join(ROLES)}; the deploy path cannot pack it"
+                    )
+                arguments.append(role)
+            else:
+                arguments.append(value)
+        templates.append(
+            LaunchTemplate(
+                launch.function,
+                functions[launch.function],
+                launch.grid,
+                launch.block,
+                launch.shared_bytes,
+                tuple(arguments),
+            )
+        )
+    return tuple(templates)
+
+
+def _addresses(buffers: DeviceBuffers) -> tuple[int, ...]:
+    return tuple(getattr(buffers, role) for role in ROLES)
+
+
+class StreamSlot:
+    """One stream's packed launches and split scratch; ``lock`` makes write + launch atomic."""
+
+    def __init__(
+        self,
+        pointers: dict[str, Any],
+        packed: tuple[PackedLaunch, ...],
+        calls: tuple[Callable[[], int], ...],
+        owners: tuple[Any, ...],
+    ) -> None:
+        self.q, self.k, self.v, self.out = (pointers[role] for role in ROLES[:4])
+        # The argument objects live here: the drivers' ``void*[]`` hold only their addresses.
+        self.packed = packed
+        self.calls = calls
+        self.owners = owners  # the scratch allocations: alive as long as the slot
+        self.lock = threading.Lock()
+
+
+class AttentionHandle:
+    """A problem resolved on one GPU; ``run_torch`` and ``launch`` are the per-call path."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        device: int,
+        chosen: ChosenPlan,
+        templates: tuple[LaunchTemplate, ...],
+        needed: BufferElements,
+        driver: Any,
+        context: int | None,
+    ) -> None:
+        self.problem = problem
+        self.device = device
+        self.chosen = chosen
+        self.templates = templates
+        self.needed = needed
+        #: bytes of q and of out
+        self.tensor_bytes = needed.tensor_bytes
+        #: bytes of k and of v (fewer heads with GQA, another length with a KV cache)
+        self.kv_tensor_bytes = problem.kv_tensor_bytes
+        self.driver = driver
+        self.context = context  # the primary context (torch's); None where unknown
+        self.has_scratch = needed.partial_o > 0
+        self._slots: dict[int, StreamSlot] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def plan(self) -> Any:
+        return self.chosen.plan
+
+    # ------------------------------------------------------------------ slots
+
+    def slot(self, stream: int, allocate: Allocate) -> StreamSlot:
+        """The slot of ``stream``, made (scratch allocated, arguments packed) on first use."""
+        found = self._slots.get(stream)
+        if found is None:
+            with self._lock:
+                found = self._slots.get(stream)
+                if found is None:
+                    found = self._slots[stream] = self.new_slot(stream, allocate)
+        return found
+
+    def new_slot(self, stream: int, allocate: Allocate) -> StreamSlot:
+        owners, addresses = [], {"partial_o": 0, "partial_ml": 0}
+        if self.has_scratch:
+            for role, nbytes in (
+                ("partial_o", self.needed.partial_o_bytes),
+                ("partial_ml", self.needed.partial_ml_bytes),
+            ):
+                try:
+                    owner, address = allocate(nbytes)
+                except Exception as error:
+                    raise BackendError(
+                        f"{self.plan.key()}: the split scratch of {self.problem.label()} "
+                        f"({nbytes} B of {role}) does not fit: {error}"
+                    ) from error
+                owners.append(owner)
+                addresses[role] = address
+        pointers = {role: ctypes.c_void_p(addresses.get(role, 0)) for role in ROLES}
+        packed = tuple(self._pack(template, pointers) for template in self.templates)
+        calls = tuple(self.driver.bind_launch(launch, stream) for launch in packed)
+        return StreamSlot(pointers, packed, calls, tuple(owners))
+
+    def _pack(self, template: LaunchTemplate, pointers: dict[str, Any]) -> PackedLaunch:
+        arguments = [
+            pointers[value] if isinstance(value, str) else ctypes_argument(value)
+            for value in template.arguments
+        ]
+        return pack_launch(
+            template.name,
+            template.function,
+            template.grid,
+            template.block,
+            template.shared_bytes,
+            arguments,
+        )
+
+    # ------------------------------------------------------------------ per call
+
+    def launch(self, slot: StreamSlot, q: int, k: int, v: int, out: int) -> None:
+        """The plan's launches on the slot's stream, in the current context; no waiting."""
+        with slot.lock:  # another thread must not rewrite the addresses before the launch
+            slot.q.value, slot.k.value, slot.v.value, slot.out.value = q, k, v, out
+            for call in slot.calls:
+                status = call()
+                if status:
+                    self._retry(call, status)
+
+    def _retry(self, call: Callable[[], int], status: int) -> None:
+        if status == CUDA_ERROR_INVALID_CONTEXT and self.context:
+            # A thread that never made a CUDA call has no current context: torch's is ours.
+            self.driver.set_context(self.context)
+            status = call()
+        self.driver.check(status, f"{self.plan.key()} on cuda:{self.device}")
+
+    def run_torch(self, like: Any, q: int, k: int, v: int, out: Any, torch: Any) -> Any:
+        """Launch on torch's current stream of this GPU; the result is ``out`` or a new tensor
+        like ``like`` (q). The caller checked the tensors (``kernels.attention_args``)."""
+        native = torch._C
+        if native._cuda_getDevice() != self.device:
+            return self._run_torch_elsewhere(like, q, k, v, out, torch)
+        stream = native._cuda_getCurrentRawStream(self.device)
+        result = torch.empty_like(like) if out is None else out
+        if self.has_scratch and native._cuda_isCurrentStreamCapturing():
+            # In a graph capture: scratch from the graph's pool, never an eager slot's.
+            slot = self.new_slot(stream, _torch_allocator(torch, like.device))
+        else:
+            slot = self._slots.get(stream)
+            if slot is None:
+                slot = self.slot(stream, _torch_allocator(torch, like.device))
+        self.launch(slot, q, k, v, result.data_ptr())
+        return result
+
+    def _run_torch_elsewhere(self, like: Any, q: int, k: int, v: int, out: Any, torch: Any):
+        """torch's current device is another GPU: run under this one, as torch's ops do."""
+        with torch.cuda.device(self.device):
+            return self.run_torch(like, q, k, v, out, torch)
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots.clear()
+
+
+def _torch_allocator(torch: Any, device: Any) -> Allocate:
+    def allocate(nbytes: int) -> tuple[Any, int]:
+        # On the current stream (torch's caching allocator is stream-ordered) and, inside a
+        # capture, from the graph's private pool.
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return owner, int(owner.data_ptr())
+
+    return allocate

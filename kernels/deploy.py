@@ -1,0 +1,276 @@
+"""Deploy-time attention: the tuned plan of a shape, resolved once, launched on the caller's arrays.
+
+    import kernels
+    out = kernels.attention(q, k, v, causal=True)   # torch CUDA tensors or GPUArrays, any of
+                                                    # float32, bfloat16, float16: out likewise
+    kernels.attention(q, k, v, registry="sqlite:///plans.sqlite", out=buffer)
+
+    attend = kernels.Attention("postgresql+psycopg://host/plans")   # a service keeps its own
+    out = attend(q, k, v, causal=True)
+
+``kernels.attention`` is the function ``attention`` here (``kernels`` loads this module on first
+use). The first call of a problem (shape, dtype, causal) on a GPU resolves it into a handle
+(``kernels.backends.attention_handle``): the plan, asked of the registry once, the loaded kernels,
+launch geometry, split scratch and packed arguments. A later call with torch tensors is a
+dictionary hit on the call's signature (shapes, dtypes, devices, causal), a few attribute reads
+that stand for the argument checks, the output's allocation (none with ``out=``) and the launch
+on torch's current stream: no host synchronisation, so it is captured by ``torch.cuda.graph``
+(call it once before capturing: the first call compiles and loads). Under ``torch.compile`` the
+call becomes the custom op ``flash_attention_tuner::attention`` (``kernels.torch_op``), so a
+compiled model has no graph break.
+
+The pieces:
+
+* ``kernels.attention_args``: the argument checks, done before any CUDA call, and the device of
+  interface arrays (``AttentionInputError`` names the argument, what it was and what is
+  expected); q, k, v (and ``out``) share one dtype: float32, bfloat16 or float16 (bfloat16 only
+  as torch tensors: ``__cuda_array_interface__`` has no name for it); k and v may have fewer
+  heads (GQA) and another length (a KV cache; causal is bottom-right aligned), inferred there;
+* ``kernels.plan_choice``: the plan of each problem, asked of the registry once per problem and
+  GPU, with the planner's default plan for that dtype as a fallback (``origin="default"``) and
+  one warning (logger ``kernels.attention``) where none fits or the registry cannot be opened;
+* ``kernels.backends.pycuda_attention``: one GPU (context, plans, kernels, handles), imported on
+  the first call, so importing this module loads no pycuda, torch or database code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernels.attention_args import (
+    AttentionInputError,
+    AttentionInputTypeError,
+    check_causal,
+    check_inputs,
+    interface_device,
+    problem_of,
+    torch_pointers,
+    torch_signature,
+)
+from kernels.plan_choice import ChosenPlan
+from tuner.data_dir import default_registry_file
+from tuner.environment import Environment
+from tuner.errors import TunerError
+from tuner.problem import Problem
+
+if TYPE_CHECKING:
+    from db import PlanRegistry
+    from kernels.backends.attention_handle import AttentionHandle
+    from kernels.backends.pycuda_attention import DeviceRunner
+
+__all__ = [
+    "Attention",
+    "AttentionInputError",
+    "AttentionInputTypeError",
+    "attention",
+    "clear_default_instances",
+    "default_instance",
+]
+
+#: where compiled cubins are cached when ``cache_dir`` is not given (else the backend's default)
+CACHE_DIR_VARIABLE = "FLASH_ATTENTION_TUNER_CUBIN_CACHE"
+
+
+class Attention:
+    """A registry, its handles per problem and GPU; call it like ``attention``.
+
+    ``registry``: None (the tuner's default registry, ``plans.sqlite`` in the per-user data
+    directory of ``tuner.data_dir``, when it exists, else none), a SQLAlchemy URL (opened
+    read-only on first use; one that cannot be opened, e.g. a missing file, means no registry:
+    every problem gets the fallback plan, with one warning per problem saying why), or an open
+    ``PlanRegistry`` (or anything with its ``cached_best``). ``nearest``: fall back to the
+    nearest tuned shape. ``cache_dir``: the cubin cache (default: the directory in
+    ``$FLASH_ATTENTION_TUNER_CUBIN_CACHE``, else the PyCUDA backend's). ``driver``: what loads
+    and launches kernels (default ``kernels.cuda_driver.CudaDriver``).
+    """
+
+    def __init__(
+        self,
+        registry: str | PlanRegistry | None = None,
+        *,
+        nearest: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        driver: Any = None,
+    ) -> None:
+        default_file = default_registry_file()
+        if registry is None and default_file.exists():
+            registry = f"sqlite:///{default_file.resolve().as_posix()}"
+        self.registry_url = registry if isinstance(registry, str) else None
+        self._registry = None if isinstance(registry, str) else registry
+        self._registry_unavailable = ""
+        self.nearest = nearest
+        directory = cache_dir or os.environ.get(CACHE_DIR_VARIABLE)
+        self.cache_dir = Path(directory).expanduser() if directory else None
+        self._driver = driver
+        self._runners: dict[int, DeviceRunner] = {}
+        #: torch call signature (``attention_args.torch_signature``) -> its handle
+        self._torch_handles: dict[tuple[Any, ...], AttentionHandle] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, q: Any, k: Any, v: Any, causal: bool = False, *, out: Any = None) -> Any:
+        torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
+        if torch is not None and torch.compiler.is_compiling():
+            # torch.compile traces this: the custom op stands for the call in the graph.
+            from kernels import torch_op
+
+            named = self.registry_url, self._registry, self.nearest
+            return torch_op.traced_call(*named, q, k, v, causal, out)
+        return self.call_eager(q, k, v, causal, out)
+
+    def call_eager(self, q: Any, k: Any, v: Any, causal: Any, out: Any) -> Any:
+        """The call outside torch.compile's tracing (``__call__`` less that check)."""
+        torch = sys.modules.get("torch")
+        plain = torch is not None and type(q) is torch.Tensor and type(k) is type(q) is type(v)
+        if plain and (causal is True or causal is False):  # 1 == True: refused, not a key hit
+            handle = self._torch_handles.get(torch_signature(q, k, v, causal))
+            if handle is not None:
+                pointers = torch_pointers(
+                    q, k, v, out, handle.tensor_bytes, torch, handle.kv_tensor_bytes
+                )
+                if pointers is not None:
+                    return handle.run_torch(q, *pointers, out, torch)
+        return self._checked_call(q, k, v, causal, out)
+
+    def _checked_call(self, q: Any, k: Any, v: Any, causal: Any, out: Any) -> Any:
+        """The first call of a signature, and any call the fast path declines: every check."""
+        inputs = check_inputs(q, k, v, out)
+        causal = check_causal(causal)
+        problem = problem_of(inputs, causal)
+        if inputs.q.is_torch:
+            torch = sys.modules["torch"]
+            handle = self._runner(inputs.q.device or 0).handle(problem)
+            plain = type(q) is torch.Tensor and type(k) is type(q) is type(v)
+            if plain and type(causal) is bool:  # what the fast path looks up
+                self._torch_handles[torch_signature(q, k, v, causal)] = handle
+            pointers = (inputs.q.pointer, inputs.k.pointer, inputs.v.pointer)
+            return handle.run_torch(q, *pointers, out, torch)
+        device, facts = interface_device(inputs)
+        return self._runner(device).run_arrays(inputs, problem, facts)
+
+    def handle(self, problem: Problem, device: int = 0) -> AttentionHandle:
+        """The handle ``problem`` runs with on GPU ``device`` (resolved now if not yet)."""
+        return self._runner(device).handle(problem)
+
+    def plan_for(self, problem: Problem, device: int = 0) -> ChosenPlan:
+        """The plan ``problem`` runs with on GPU ``device`` (chosen now if not yet)."""
+        return self.handle(problem, device).chosen
+
+    def environment(self, device: int = 0) -> Environment:
+        """GPU ``device``'s environment: what the registry is asked with."""
+        return self._runner(device).environment
+
+    def _runner(self, index: int) -> DeviceRunner:
+        runner = self._runners.get(index)
+        if runner is None:
+            with self._lock:
+                runner = self._runners.get(index)
+                if runner is None:
+                    # Here, not at the top: the GPU half loads only when a call needs a GPU.
+                    from kernels.backends.pycuda_attention import DeviceRunner
+
+                    registry = self._open_registry()
+                    runner = DeviceRunner(
+                        index,
+                        registry,
+                        self.nearest,
+                        self.cache_dir,
+                        driver=self._driver,
+                        registry_unavailable=self._registry_unavailable,
+                    )
+                    self._runners[index] = runner
+        return runner
+
+    def _open_registry(self) -> Any:
+        """The registry, opened read-only once; None (and why) where it cannot be opened."""
+        if self._registry is None and self.registry_url is not None:
+            from db import PlanRegistry
+
+            try:
+                self._registry = PlanRegistry.open(self.registry_url, readonly=True)
+            except TunerError as error:  # RegistryError: missing file, no server, old schema
+                self._registry_unavailable = str(error)
+        return self._registry
+
+    def close(self) -> None:
+        """Free device state; close the registry if this object opened it.
+
+        GPUArrays it returned belong to the context it retained: free them first.
+        """
+        with self._lock:
+            self._torch_handles.clear()
+            for runner in self._runners.values():
+                runner.close()
+            self._runners.clear()
+            if self.registry_url is not None and self._registry is not None:
+                self._registry.close()
+                self._registry = None
+
+
+_instances: dict[tuple[Any, bool], Attention] = {}
+_instances_lock = threading.Lock()
+
+
+def _instance_key(registry: Any, nearest: bool) -> tuple[Any, bool]:
+    if registry is None or isinstance(registry, str):
+        return registry, nearest
+    return ("handle", id(registry)), nearest
+
+
+def default_instance(
+    registry: str | PlanRegistry | None = None, *, nearest: bool = False
+) -> Attention:
+    """The shared ``Attention`` of a registry: one per URL (or handle) and ``nearest``.
+
+    For ``registry=None`` whether the default registry file exists is decided at the first call.
+    A handle is kept alive by its instance, so its ``id`` is never reused for another.
+    """
+    key = _instance_key(registry, nearest)
+    found = _instances.get(key)
+    if found is None:
+        with _instances_lock:
+            found = _instances.get(key)
+            if found is None:
+                found = _instances[key] = Attention(registry, nearest=nearest)
+    return found
+
+
+def clear_default_instances() -> None:
+    with _instances_lock:
+        for instance in _instances.values():
+            instance.close()
+        _instances.clear()
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    causal: bool = False,
+    registry: str | PlanRegistry | None = None,
+    *,
+    out: Any = None,
+    nearest: bool = False,
+) -> Any:
+    """softmax(q k^T / sqrt(head_dim)) v with the tuned plan of this problem; see the module doc.
+
+    Returns a new array of q's kind and dtype (a torch tensor, else a GPUArray), or ``out``
+    filled. bfloat16 and float16 run the best plan stored for that dtype (tensor-core kernels).
+    Under ``torch.compile``, ``registry`` must be None or a URL.
+    """
+    torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
+    if torch is not None and torch.compiler.is_compiling():
+        # torch.compile traces this: the custom op stands for the call in the graph.
+        from kernels import torch_op
+
+        url = registry if isinstance(registry, str) else None
+        return torch_op.traced_call(url, registry, nearest, q, k, v, causal, out)
+    shared = registry is None or type(registry) is str
+    found = _instances.get((registry, nearest)) if shared else None
+    if found is None:
+        found = default_instance(registry, nearest=nearest)
+    return found.call_eager(q, k, v, causal, out)
+

@@ -1,0 +1,131 @@
+"""The deploy handle's launch packing without a GPU: pointer arguments named by role, ctypes
+arguments packed once per stream and kept alive, what the driver would read.
+
+``AttentionHandle`` runs here with a driver that records its launches (``Recording``) or with
+the real ``CudaDriver`` over a library that never launches; the handle's calls on the fake GPU
+(kernels emulated on the packed values) are in ``test_attention.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels import cuda_driver, plan_choice
+from kernels.backends import attention_handle
+from kernels.launch import DeviceBuffers, buffer_elements, launch_sequence
+from tuner.device import H200
+from tuner.errors import BackendError
+from tuner.planner.tunable import KernelParams, plan_kernel
+from tuner.problem import Problem
+
+#: a tiled plan with key splits on PROBLEM: two launches, split scratch
+STORED = {"threads": 128, "tile_size": 32, "rows_per_block": 32, "split_target": 4}
+PROBLEM = Problem(1000, 64, batch=2, heads=4, causal=True)
+
+
+def test_launch_arguments_are_packed_once_by_role() -> None:
+    problem = PROBLEM
+    split = plan_kernel(problem, KernelParams("tiled", **STORED), H200)
+    assert split.sequence_splits > 1
+    launches = launch_sequence(split, attention_handle.BUFFER_MARKERS)
+    functions = {launch.function: 100 + i for i, launch in enumerate(launches)}
+    templates = attention_handle.launch_templates(launches, functions)
+    named = [(t.name, t.function) for t in templates]
+    assert named == [("tiled_attention", 100), ("split_merge", 101)]
+    roles = [[a for a in t.arguments if isinstance(a, str)] for t in templates]
+    assert roles[0] == ["q", "k", "v", "out", "partial_o", "partial_ml"]
+    assert sorted(roles[1]) == ["out", "partial_ml", "partial_o"]
+    # Packed once per stream; a launch reads the addresses the last call wrote.
+    chosen = plan_choice.ChosenPlan(split, "default")
+    driver = Recording()
+    handle = attention_handle.AttentionHandle(
+        problem, 0, chosen, templates, buffer_elements(split), driver, None
+    )
+    scratch = iter([7000, 9000])
+    slot = handle.slot(5, lambda nbytes: (bytearray(1), next(scratch)))
+    assert handle.slot(5, lambda nbytes: 1 / 0) is slot  # made once
+    for call in ((11, 12, 13, 14), (21, 22, 23, 24)):
+        handle.launch(slot, *call)
+    buffers = DeviceBuffers(21, 22, 23, 24, 7000, 9000)
+    expected = launch_sequence(split, buffers)
+    assert [stream for _, stream in driver.launched] == [5] * 4
+    assert [launch.values() for launch, _ in driver.launched[2:]] == [e.args for e in expected]
+    alien = launches[0].__class__("tiled_attention", (1, 1, 1), (32, 1, 1), 0, (np.uintp(64),))
+    with pytest.raises(BackendError, match=r"argument 0 is a pointer that is none of the buff"):
+        attention_handle.launch_templates((alien,), functions)
+
+
+class Recording:
+    """A driver that records what it is asked to launch."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple[cuda_driver.PackedLaunch, int]] = []
+
+    def bind_launch(self, launch: cuda_driver.PackedLaunch, stream: int) -> Any:
+        def call() -> int:
+            # A snapshot: the objects are rewritten by the next call.
+            frozen = cuda_driver.pack_launch(
+                launch.name, launch.function, launch.grid, launch.block, launch.shared_bytes,
+                [cuda_driver.ctypes_argument(value) for value in launch.values()],
+            )
+            self.launched.append((frozen, stream))
+            return 0
+
+        return call
+
+
+def test_packed_arguments_hold_the_kernels_types() -> None:
+    values = (np.uintp(1 << 40), np.int32(-3), np.float32(0.125))
+    arguments = [cuda_driver.ctypes_argument(value) for value in values]
+    packed = cuda_driver.pack_launch("f", 1, (1, 2, 3), (32, 1, 1), 0, arguments)
+    assert packed.values() == values
+    assert [type(v) for v in packed.values()] == [np.uintp, np.int32, np.float32]
+    assert [packed.params[i] for i in range(3)] == [ctypes_address(a) for a in arguments]
+    with pytest.raises(TypeError, match=r"not packable"):
+        cuda_driver.ctypes_argument(3)
+
+
+def ctypes_address(argument: Any) -> int:
+    return ctypes.addressof(argument)
+
+
+def test_a_slot_keeps_what_its_packed_pointers_point_at() -> None:
+    problem = PROBLEM
+    split = plan_kernel(problem, KernelParams("tiled", **STORED), H200)
+    launches = launch_sequence(split, attention_handle.BUFFER_MARKERS)
+    functions = {"tiled_attention": 1, "split_merge": 2}
+    templates = attention_handle.launch_templates(launches, functions)
+    handle = attention_handle.AttentionHandle(
+        problem,
+        0,
+        plan_choice.ChosenPlan(split, "default"),
+        templates,
+        buffer_elements(split),
+        cuda_driver.CudaDriver(library=types.SimpleNamespace(cuLaunchKernel=lambda *a: 0)),
+        None,
+    )
+    slot = handle.new_slot(0, lambda nbytes: (None, 1 << 33))
+    params = [launch.params for launch in slot.packed]
+    held = {ctypes.addressof(a) for launch in slot.packed for a in launch.arguments}
+    pointed = {
+        params[i][j] for i, launch in enumerate(slot.packed) for j in range(len(launch.arguments))
+    }
+    assert pointed <= held  # every address the driver reads is an object the slot holds
+    slot.q.value = 4096
+    del handle
+    gc.collect()
+    # What cuLaunchKernel would read: each void* dereferenced as the kernel's parameter type.
+    read = {np.uintp: ctypes.c_void_p, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+    first = launches[0].args
+    seen = [
+        ctypes.cast(params[0][i], ctypes.POINTER(read[type(value)])).contents.value or 0
+        for i, value in enumerate(first)
+    ]
+    assert seen[0] == 4096 and seen[4:6] == [1 << 33, 1 << 33]
+    assert seen[6:] == pytest.approx([float(value) for value in first[6:]])
