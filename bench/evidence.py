@@ -95,7 +95,7 @@ OUTPUT_TAIL_LINES = 25
 
 
 def shape_name(problem: Problem) -> str:
-    name = f"{problem.batch}x{problem.heads}x{problem.seq_len}x{problem.head_dim}"
+    name = problem.shape_text(heads_separator="kv", rows_separator="kv")
     return name + ("-causal" if problem.causal else "")
 
 
@@ -192,6 +192,8 @@ def tune_command(
         f"hydra.run.dir={work_dir / ('run-' + shape_name(problem))}",
         f"backend.cache_dir={cache_dir}",
     ]
+    if not problem.self_attention:
+        command += [f"kv_heads={problem.kv_heads}", f"kv_len={problem.kv_len}"]
     if n_trials is not None:
         command.append(f"search.n_trials={n_trials}")
     return command + list(overrides)

@@ -31,7 +31,7 @@ from db.registry import PlanRegistry, upgrade_registry
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import SUPPORTED_DTYPES, Problem
+from tuner.problem import SUPPORTED_DTYPES, Problem, shape_error
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--heads", type=_positive, default=1)
     shape.add_argument("--causal", action="store_true")
     shape.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
+    shape.add_argument("--kv-heads", type=_positive, help="KV heads (GQA; default: --heads)")
+    shape.add_argument("--kv-len", type=_positive, help="key/value length (default: --seq-len)")
     shape.add_argument(
         "--gpu-name",
         help="restrict to environments with this GPU (and the fields below, where given)",
@@ -127,7 +129,19 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         return None
     if args.seq_len is None or args.head_dim is None:
         raise TunerError("a problem needs both --seq-len and --head-dim")
-    return Problem(args.seq_len, args.head_dim, args.batch, args.heads, args.causal, args.dtype)
+    reason = shape_error(args.seq_len, args.heads, args.causal, args.kv_heads, args.kv_len)
+    if reason:
+        raise TunerError(f"not a problem: {reason}")
+    return Problem(
+        args.seq_len,
+        args.head_dim,
+        args.batch,
+        args.heads,
+        args.causal,
+        args.dtype,
+        kv_heads=args.kv_heads,
+        kv_len=args.kv_len,
+    )
 
 
 def _environment(args: argparse.Namespace) -> dict[str, object] | None:

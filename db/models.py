@@ -111,6 +111,8 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
         "heads": problem.heads,
         "causal": problem.causal,
         "dtype": problem.dtype,
+        "kv_heads": problem.kv_heads,
+        "kv_len": problem.kv_len,
     }
 
 
@@ -181,7 +183,15 @@ class ProblemRow(Base):
     # index serves both the exact lookup and the nearest-shape candidates.
     __table_args__ = (
         UniqueConstraint(
-            "head_dim", "dtype", "causal", "seq_len", "batch", "heads", name="uq_problems_shape"
+            "head_dim",
+            "dtype",
+            "causal",
+            "seq_len",
+            "batch",
+            "heads",
+            "kv_heads",
+            "kv_len",
+            name="uq_problems_shape",
         ),
     )
 
@@ -192,6 +202,10 @@ class ProblemRow(Base):
     heads: Mapped[int] = mapped_column(Integer)
     causal: Mapped[bool] = mapped_column(Boolean)
     dtype: Mapped[str] = mapped_column(String(16))
+    # Added by revision 0004 (grouped-query attention, KV caches); rows from
+    # before it are self-attention: kv_heads = heads, kv_len = seq_len.
+    kv_heads: Mapped[int] = mapped_column(Integer)
+    kv_len: Mapped[int] = mapped_column(Integer)
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -206,6 +220,8 @@ class ProblemRow(Base):
             heads=problem.heads,
             causal=problem.causal,
             dtype=problem.dtype,
+            kv_heads=problem.kv_heads,
+            kv_len=problem.kv_len,
         )
 
     def to_problem(self) -> Problem:
@@ -216,6 +232,8 @@ class ProblemRow(Base):
             heads=self.heads,
             causal=self.causal,
             dtype=self.dtype,
+            kv_heads=self.kv_heads,
+            kv_len=self.kv_len,
         )
 
 

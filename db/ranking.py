@@ -13,11 +13,14 @@ the plan already there. A plan is *stale* when it was measured and the caller's
 there is nothing to judge by.
 
 Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
-share head_dim, dtype and causal with the asked problem. They are ordered by
+share head_dim, dtype, causal and the group size (query heads per KV head)
+with the asked problem. They are ordered by
 
-1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len,
-2. |log2(batch*heads / asked batch*heads)|, ties to the larger,
-3. batch, then heads (only so that the answer is deterministic).
+1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len (query length:
+   a decode plan never stands in for a prefill one while a nearer length exists),
+2. |log2(kv_len / asked kv_len)|, ties to the larger,
+3. |log2(batch*heads / asked batch*heads)|, ties to the larger,
+4. batch, then heads (only so that the answer is deterministic).
 
 A larger shape wins ties because its plan was tuned with at least as much work
 per launch, which over-provisions parallelism rather than starving it.
@@ -61,11 +64,15 @@ def beats(
     return plan_rank(challenger, source_hashes) > plan_rank(incumbent, source_hashes)
 
 
-def shape_distance(asked: Problem, candidate: Problem) -> tuple[float, int, float, int, int, int]:
+def shape_distance(
+    asked: Problem, candidate: Problem
+) -> tuple[float, int, float, int, float, int, int, int]:
     """Sort key of a candidate shape; smaller is nearer. See the module doc."""
     return (
         abs(math.log2(candidate.seq_len / asked.seq_len)),
         -candidate.seq_len,
+        abs(math.log2(candidate.kv_len / asked.kv_len)),
+        -candidate.kv_len,
         abs(math.log2(candidate.batch_heads / asked.batch_heads)),
         -candidate.batch_heads,
         candidate.batch,
@@ -79,4 +86,5 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
         candidate.head_dim == asked.head_dim
         and candidate.dtype == asked.dtype
         and candidate.causal == asked.causal
+        and candidate.group == asked.group
     )

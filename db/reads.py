@@ -50,12 +50,19 @@ _FROM = (
 _RECORD_FIELDS = [f.name for f in fields(PlanRecord)]
 _ENVIRONMENT_FIELDS = [f.name for f in fields(Environment)]
 
-SHAPE_FAMILY_TERMS = ("q.head_dim = :head_dim", "q.dtype = :dtype", "q.causal = :causal")
+SHAPE_FAMILY_TERMS = (
+    "q.head_dim = :head_dim",
+    "q.dtype = :dtype",
+    "q.causal = :causal",
+    "q.heads = q.kv_heads * :group",
+)
 EXACT_SHAPE_TERMS = (
     *SHAPE_FAMILY_TERMS,
     "q.seq_len = :seq_len",
     "q.batch = :batch",
     "q.heads = :heads",
+    "q.kv_heads = :kv_heads",
+    "q.kv_len = :kv_len",
 )
 
 
@@ -140,9 +147,16 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
         "head_dim": problem.head_dim,
         "dtype": problem.dtype,
         "causal": problem.causal,
+        "group": problem.group,
     }
     if exact:
-        params |= {"seq_len": problem.seq_len, "batch": problem.batch, "heads": problem.heads}
+        params |= {
+            "seq_len": problem.seq_len,
+            "batch": problem.batch,
+            "heads": problem.heads,
+            "kv_heads": problem.kv_heads,
+            "kv_len": problem.kv_len,
+        }
     return params
 
 
@@ -231,5 +245,7 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 
 
 def every_best(connection: Connection) -> list[FoundPlan]:
-    order = "q.head_dim, q.dtype, q.causal, q.seq_len, q.batch, q.heads, e.id"
+    order = (
+        "q.head_dim, q.dtype, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads, q.kv_len, e.id"
+    )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

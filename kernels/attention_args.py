@@ -1,7 +1,12 @@
 """The arguments of ``kernels.attention``, checked before any launch.
 
-Inputs: ``[batch, heads, seq_len, head_dim]`` C-contiguous device arrays of one shape and one
-dtype on one GPU: torch CUDA tensors, PyCUDA ``GPUArray``s, or anything with
+Inputs: q (and out) ``[batch, heads, seq_len, head_dim]``, k and v ``[batch, kv_heads, kv_len,
+head_dim]``, C-contiguous device arrays of one dtype on one GPU. ``kv_heads`` must divide ``heads``
+(grouped-query attention: query head ``h`` reads KV head ``h // (heads // kv_heads)``; MQA at 1),
+``kv_len`` is the key/value length (decode against a KV cache); ``problem_of`` infers both from
+k's shape. Causal masking is bottom-right aligned (query row ``r`` sees keys
+``k <= r + kv_len - seq_len``, as FlashAttention and a KV cache do), so causal calls need
+``kv_len >= seq_len``. The arrays are torch CUDA tensors, PyCUDA ``GPUArray``s, or anything with
 ``__cuda_array_interface__``. The dtypes are ``tuner.problem.SUPPORTED_DTYPES``: torch's
 ``float32``, ``bfloat16`` and ``float16``; through the interface typestr ``'<f4'`` (float32) and
 ``'<f2'`` (float16) only. The interface has no name for bfloat16 (producers give it as ``'<V2'``
@@ -33,9 +38,10 @@ import numpy as np
 
 from kernels.cuda_driver import libcuda
 from tuner.errors import TunerError
-from tuner.problem import DTYPE_BYTES, SUPPORTED_DTYPES, Problem
+from tuner.problem import DTYPE_BYTES, SUPPORTED_DTYPES, Problem, shape_error
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
+KV_LAYOUT = "[batch, kv_heads, kv_len, head_dim]"
 #: the interface typestrs taken, as numpy dtypes, and the problem dtype each one is
 INTERFACE_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
 #: the numpy dtype of an array allocated for a result (interface arrays: no bfloat16)
@@ -241,9 +247,12 @@ def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
     if result is not None:
         if result.readonly:
             raise AttentionInputError("out is read-only (its __cuda_array_interface__ says so)")
-        nbytes = result.nbytes  # every array has q's shape by now
+        nbytes = result.nbytes  # out has q's shape by now
         for array in (first, *given):
-            if array.pointer < result.pointer + nbytes and result.pointer < array.pointer + nbytes:
+            if (
+                array.pointer < result.pointer + nbytes
+                and result.pointer < array.pointer + array.nbytes
+            ):
                 raise AttentionInputError(
                     f"out overlaps {array.name} in memory; the kernels read {array.name} while "
                     "writing out: pass a separate array"
@@ -252,7 +261,8 @@ def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
 
 
 def _check_agreement(first: DeviceArray, *others: DeviceArray) -> None:
-    """k, v (and out) against q: one kind, one dtype, one shape, one GPU."""
+    """k, v (and out) against q (``others`` start with k): one kind, one dtype, one GPU;
+    out of q's shape, k and v of one ``[batch, kv_heads, kv_len, head_dim]`` shape."""
     for other in others:
         if other.is_torch != first.is_torch:
             raise AttentionInputTypeError(
@@ -268,17 +278,41 @@ def _check_agreement(first: DeviceArray, *others: DeviceArray) -> None:
             raise AttentionInputTypeError(
                 f"{other.name} has dtype {other.dtype} but q has dtype {first.dtype}; {which}"
             )
-        if other.shape != first.shape:
-            which = "out" if other.name == "out" else "k and v"
-            raise AttentionInputError(
-                f"{other.name} has shape {other.shape} but q has shape {first.shape}; {which} "
-                "must have q's shape"
-            )
+        _check_agreeing_shape(first, others[0], other)
         if other.device != first.device:
             raise AttentionInputError(
                 f"{other.name} is on cuda:{other.device} but q is on cuda:{first.device}; all "
                 "arrays must be on one GPU"
             )
+
+
+def _check_agreeing_shape(q: DeviceArray, k: DeviceArray, other: DeviceArray) -> None:
+    """out has q's shape; k is ``[batch, kv_heads, kv_len, head_dim]`` of q's batch and
+    head_dim with kv_heads dividing q's heads; v has k's shape."""
+    if other.name == "out":
+        if other.shape != q.shape:
+            raise AttentionInputError(
+                f"out has shape {other.shape} but q has shape {q.shape}; out must have q's shape"
+            )
+        return
+    if other.name == "v":
+        if other.shape != k.shape:
+            raise AttentionInputError(
+                f"v has shape {other.shape} but k has shape {k.shape}; v must have k's shape "
+                f"{KV_LAYOUT}"
+            )
+        return
+    (batch, heads, _, head_dim), (kv_batch, kv_heads, _, kv_head_dim) = q.shape, k.shape
+    if kv_batch != batch or kv_head_dim != head_dim:
+        raise AttentionInputError(
+            f"k has shape {k.shape} but q has shape {q.shape}; k must be {KV_LAYOUT} with q's "
+            f"batch ({batch}) and head_dim ({head_dim})"
+        )
+    if heads % kv_heads:
+        raise AttentionInputError(
+            f"k has {kv_heads} heads but q has {heads}; kv_heads must divide heads (each KV "
+            "head serves heads // kv_heads query heads)"
+        )
 
 
 def check_causal(causal: Any) -> bool:
@@ -288,10 +322,30 @@ def check_causal(causal: Any) -> bool:
 
 
 def problem_of(inputs: Inputs, causal: bool) -> Problem:
-    """The problem checked inputs pose: what a handle is resolved (and cached) for."""
-    batch, heads, seq_len, head_dim = inputs.q.shape
+    """The problem checked inputs pose: what a handle is resolved (and cached) for; kv_heads
+    and kv_len from k's shape."""
+    return problem_from_shapes(inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal)
+
+
+def problem_from_shapes(
+    q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype: str, causal: bool
+) -> Problem:
+    """The problem of q's and k's (checked) shapes; ``AttentionInputError`` when causal
+    masking leaves query rows without a key (``seq_len > kv_len``)."""
+    batch, heads, seq_len, head_dim = q_shape
+    _, kv_heads, kv_len, _ = kv_shape
+    reason = shape_error(seq_len, heads, causal, kv_heads, kv_len)
+    if reason:
+        raise AttentionInputError(f"q {tuple(q_shape)} with k {tuple(kv_shape)}: {reason}")
     return Problem(
-        seq_len, head_dim, batch=batch, heads=heads, causal=causal, dtype=inputs.q.dtype
+        seq_len,
+        head_dim,
+        batch=batch,
+        heads=heads,
+        causal=causal,
+        dtype=dtype,
+        kv_heads=kv_heads,
+        kv_len=kv_len,
     )
 
 
@@ -317,12 +371,12 @@ def torch_signature(q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, ...]:
 
 
 def torch_pointers(
-    q: Any, k: Any, v: Any, out: Any, nbytes: int, torch: Any
+    q: Any, k: Any, v: Any, out: Any, nbytes: int, torch: Any, kv_nbytes: int | None = None
 ) -> tuple[int, int, int] | None:
     """q, k, v's addresses when a call with a known signature needs no other check, else None
     (the caller then runs ``check_inputs``, which says what is wrong): each contiguous, no
     gradient asked for, ``out`` (if given) a contiguous tensor like q apart from the inputs.
-    ``nbytes``: the bytes of each of q, k, v, out."""
+    ``nbytes``: the bytes of q and of out; ``kv_nbytes`` of k and of v (default ``nbytes``)."""
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return None
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
@@ -340,10 +394,11 @@ def torch_pointers(
         return None
     out_at = out.data_ptr()
     out_end = out_at + nbytes
+    kv_nbytes = nbytes if kv_nbytes is None else kv_nbytes
     if (
         (q_at < out_end and out_at < q_at + nbytes)
-        or (k_at < out_end and out_at < k_at + nbytes)
-        or (v_at < out_end and out_at < v_at + nbytes)
+        or (k_at < out_end and out_at < k_at + kv_nbytes)
+        or (v_at < out_end and out_at < v_at + kv_nbytes)
     ):
         return None
     return q_at, k_at, v_at

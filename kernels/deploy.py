@@ -24,7 +24,8 @@ The pieces:
 * ``kernels.attention_args``: the argument checks, done before any CUDA call, and the device of
   interface arrays (``AttentionInputError`` names the argument, what it was and what is
   expected); q, k, v (and ``out``) share one dtype: float32, bfloat16 or float16 (bfloat16 only
-  as torch tensors: ``__cuda_array_interface__`` has no name for it);
+  as torch tensors: ``__cuda_array_interface__`` has no name for it); k and v may have fewer
+  heads (GQA) and another length (a KV cache; causal is bottom-right aligned), inferred there;
 * ``kernels.plan_choice``: the plan of each problem, asked of the registry once per problem and
   GPU, with the planner's default plan for that dtype as a fallback (``origin="default"``) and
   one warning (logger ``kernels.attention``) where none fits or the registry cannot be opened;
@@ -127,7 +128,9 @@ class Attention:
         if plain and (causal is True or causal is False):  # 1 == True: refused, not a key hit
             handle = self._torch_handles.get(torch_signature(q, k, v, causal))
             if handle is not None:
-                pointers = torch_pointers(q, k, v, out, handle.tensor_bytes, torch)
+                pointers = torch_pointers(
+                    q, k, v, out, handle.tensor_bytes, torch, handle.kv_tensor_bytes
+                )
                 if pointers is not None:
                     return handle.run_torch(q, *pointers, out, torch)
         return self._checked_call(q, k, v, causal, out)

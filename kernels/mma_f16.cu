@@ -19,6 +19,10 @@
 //   grid = (ceil(seq_len / BLOCK_M), splits, batch * heads), block = 32 * WARPS
 //   keys_per_split is a multiple of BLOCK_N; split s covers keys
 //   [s * keys_per_split, min(kv_len, (s + 1) * keys_per_split)).
+//   q, out: [batch * heads][seq_len][HEAD_DIM]; k, v: [batch * kv_heads][kv_len][HEAD_DIM];
+//   query head bh reads KV head bh / group (group = heads / kv_heads: grouped-query
+//   attention). Each block loads its own KV head's tiles: the query heads of a group
+//   share K and V through L2 only (their blocks run close together in launch order).
 // Causal masking is bottom-right aligned: query row r sees keys
 // k <= r + (kv_len - seq_len), as FlashAttention does for a KV cache.
 // With one split the kernel writes the normalised output in the input dtype;
@@ -195,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 mma_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                   const elem_t* __restrict__ v, elem_t* __restrict__ out,
                   float* __restrict__ partial_o, float* __restrict__ partial_lse, int seq_len,
-                  int kv_len, int keys_per_split, float scale_log2) {
+                  int kv_len, int group, int keys_per_split, float scale_log2) {
     extern __shared__ __align__(128) unsigned char shared_raw[];
     elem_t* s_q = reinterpret_cast<elem_t*>(shared_raw);
     elem_t* s_kv = s_q + BLOCK_M * ROW_STRIDE;  // STAGES x (K tile, V tile)
@@ -218,8 +222,8 @@ mma_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
     const int row0 = m_block * BLOCK_M;
 
     const elem_t* q_bh = q + (size_t)bh * seq_len * HEAD_DIM;
-    const elem_t* k_bh = k + (size_t)bh * kv_len * HEAD_DIM;
-    const elem_t* v_bh = v + (size_t)bh * kv_len * HEAD_DIM;
+    const elem_t* k_bh = k + (size_t)(bh / group) * kv_len * HEAD_DIM;
+    const elem_t* v_bh = v + (size_t)(bh / group) * kv_len * HEAD_DIM;
 
     // This block's key range: its split, cut by the causal diagonal.
     const int causal_offset = kv_len - seq_len;

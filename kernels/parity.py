@@ -38,7 +38,7 @@ class ParityResult:
 
 
 def full_check(problem: Problem) -> bool:
-    work = problem.batch_heads * problem.seq_len * problem.seq_len * problem.head_dim
+    work = problem.batch_heads * problem.seq_len * problem.kv_len * problem.head_dim
     return work <= FULL_CHECK_WORK
 
 
@@ -104,15 +104,17 @@ class CpuReference:
         self.problem = problem
         self.full = full_check(problem)
         shape = (problem.batch_heads, problem.seq_len, problem.head_dim)
+        kv_shape = (problem.batch_kv_heads, problem.kv_len, problem.head_dim)
+        q, k, v = q.reshape(shape), k.reshape(kv_shape), v.reshape(kv_shape)
         if self.full:
             self.heads = np.arange(problem.batch_heads)
             self.rows = np.arange(problem.seq_len)
-            self.expected = attention_reference(
-                q.reshape(shape), k.reshape(shape), v.reshape(shape), problem.causal
-            ).reshape(shape)
+            self.expected = attention_reference(q, k, v, problem.causal, problem.group)
         else:
             self.heads, self.rows = sample_indices(problem, np.random.default_rng(seed))
-            self.expected = reference_rows(q, k, v, problem.causal, self.heads, self.rows)
+            self.expected = reference_rows(
+                q, k, v, problem.causal, self.heads, self.rows, problem.group
+            )
 
     def select(self, output: np.ndarray) -> np.ndarray:
         """The part of a full output that the reference covers."""

@@ -60,9 +60,11 @@ def from_storage(stored: np.ndarray, dtype: str) -> np.ndarray:
 def random_inputs(
     problem: Problem, rng: np.random.Generator
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """(q, k, v in storage type, q, k, v as float32 values of the rounded inputs)."""
+    """(q, k, v in storage type, q, k, v as float32 values of the rounded inputs);
+    q ``[batch*heads, seq_len, head_dim]``, k and v ``[batch*kv_heads, kv_len, head_dim]``."""
     shape = (problem.batch_heads, problem.seq_len, problem.head_dim)
-    drawn = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+    kv_shape = (problem.batch_kv_heads, problem.kv_len, problem.head_dim)
+    drawn = [rng.standard_normal(s, dtype=np.float32) for s in (shape, kv_shape, kv_shape)]
     stored = tuple(to_storage(x, problem.dtype) for x in drawn)
     values = tuple(
         x if problem.dtype == "float32" else from_storage(s, problem.dtype).astype(np.float32)
@@ -92,12 +94,19 @@ def sdpa_error(
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[problem.dtype]
 
-    def tensor(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values[heads])).to(dtype)
+    def tensor(values: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values[rows])).to(dtype)
 
+    kv_heads = heads // problem.group  # the KV head each sampled query head reads
+    mask = None
+    if problem.causal:
+        # Bottom-right aligned, as the kernels: torch's is_causal is top-left for kv_len > seq_len.
+        mask = torch.ones(problem.seq_len, problem.kv_len, dtype=torch.bool).tril(
+            problem.causal_offset
+        )
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(
-            tensor(q), tensor(k), tensor(v), is_causal=problem.causal
+            tensor(q, heads), tensor(k, kv_heads), tensor(v, kv_heads), attn_mask=mask
         )
     got = out.to(torch.float64).numpy()[:, rows]
     return float(np.abs(got - expected).max()) if expected.size else 0.0

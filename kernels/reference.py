@@ -9,7 +9,10 @@ algorithm is tested on the CPU before any GPU runs it; ``emulate_scalar``
 does the same for the scalar kernel (the online update with one-key tiles).
 
 Arrays are ``[batch*heads, seq_len, head_dim]`` (any leading dimensions are
-accepted and kept).
+accepted and kept). The references also take grouped-query and KV-cache
+inputs: k and v ``[batch*kv_heads, kv_len, head_dim]``, query head ``h`` reading
+KV head ``h // group``, causal masking bottom-right aligned (row ``r`` sees keys
+``k <= r + kv_len - seq_len``); the emulations are self-attention only.
 """
 
 from __future__ import annotations
@@ -43,13 +46,30 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         raise ValueError(f"q, k, v shapes differ: {q.shape}, {k.shape}, {v.shape}")
 
 
+def _check_kv_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int) -> None:
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] * group:
+        raise ValueError(
+            f"q {q.shape} with k {k.shape}, v {v.shape}: k and v must share a shape, with "
+            f"q's head_dim and q's heads / {group} heads"
+        )
+
+
 def _softmax_rows(
-    q_rows: np.ndarray, k: np.ndarray, v: np.ndarray, rows: np.ndarray, causal: bool
+    q_rows: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    rows: np.ndarray,
+    causal: bool,
+    causal_offset: int = 0,
 ) -> np.ndarray:
-    """softmax(q k^T / sqrt(d)) v for the given query rows of one head, in float64."""
+    """softmax(q k^T / sqrt(d)) v for the given query rows of one head, in float64.
+
+    Causal: row ``r`` sees keys ``k <= r + causal_offset`` (``kv_len - seq_len``).
+    """
     scores = (q_rows @ k.T) / math.sqrt(q_rows.shape[-1])
     if causal:
-        scores = np.where(np.arange(k.shape[0])[None, :] <= rows[:, None], scores, -np.inf)
+        visible = np.arange(k.shape[0])[None, :] <= rows[:, None] + causal_offset
+        scores = np.where(visible, scores, -np.inf)
     # Subtracting the row max keeps exp() in range; the diagonal (or any key,
     # non-causal) is always unmasked, so the max is finite.
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -63,33 +83,40 @@ def reference_rows(
     causal: bool,
     heads_idx: npt.ArrayLike,
     rows_idx: npt.ArrayLike,
+    group: int = 1,
 ) -> np.ndarray:
-    """float64 attention output for rows ``rows_idx`` of heads ``heads_idx``: ``[H, R, D]``."""
+    """float64 attention output for rows ``rows_idx`` of heads ``heads_idx``: ``[H, R, D]``.
+
+    ``group``: query heads per KV head (k and v have ``heads / group`` heads).
+    """
     q3, k3, v3 = _heads_view(q), _heads_view(k), _heads_view(v)
-    _check_shapes(q3, k3, v3)
+    _check_kv_shapes(q3, k3, v3, group)
     heads = np.asarray(heads_idx, dtype=np.int64).reshape(-1)
     rows = np.asarray(rows_idx, dtype=np.int64).reshape(-1)
     n, d = q3.shape[1:]
+    kv_len = k3.shape[1]
     out = np.empty((heads.size, rows.size, d), dtype=np.float64)
-    chunk = max(1, _CHUNK_ELEMENTS // max(n, 1))
+    chunk = max(1, _CHUNK_ELEMENTS // max(kv_len, 1))
     for slot, head in enumerate(heads):
-        k64 = k3[head].astype(np.float64)
-        v64 = v3[head].astype(np.float64)
+        k64 = k3[head // group].astype(np.float64)
+        v64 = v3[head // group].astype(np.float64)
         for start in range(0, rows.size, chunk):
             part = rows[start : start + chunk]
             out[slot, start : start + chunk] = _softmax_rows(
-                q3[head, part].astype(np.float64), k64, v64, part, causal
+                q3[head, part].astype(np.float64), k64, v64, part, causal, kv_len - n
             )
     return out
 
 
 def attention_reference(
-    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool, group: int = 1
 ) -> np.ndarray:
     """Exact float64 attention, ``softmax(q k^T / sqrt(d)) v``, same shape as ``q``."""
     q_in = np.asarray(q)
     q3 = _heads_view(q_in)
-    out = reference_rows(q3, k, v, causal, np.arange(q3.shape[0]), np.arange(q3.shape[1]))
+    out = reference_rows(
+        q3, k, v, causal, np.arange(q3.shape[0]), np.arange(q3.shape[1]), group
+    )
     return out.reshape(q_in.shape)
 
 

@@ -9,6 +9,9 @@
 // Compile-time constants: HEAD_DIM (any > 0), THREADS, CAUSAL.
 // Grid: (ceil(seq_len / THREADS), 1, batch*heads); dynamic shared memory
 // THREADS * HEAD_DIM * 4 bytes (tuner.planner.tunable.scalar_shared_bytes).
+// q, out: [batch*heads][seq_len][HEAD_DIM]; k, v: [batch*kv_heads][kv_len][HEAD_DIM];
+// query head bh reads KV head bh / group. Causal masking is bottom-right aligned:
+// row r sees keys k <= r + kv_len - seq_len.
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -17,14 +20,16 @@
 extern "C" __global__ void __launch_bounds__(THREADS)
 scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k,
                         const float* __restrict__ v, float* __restrict__ out,
-                        int seq_len, float scale_log2) {
+                        int seq_len, int kv_len, int group, float scale_log2) {
     extern __shared__ float o_s[];
     const int tid = threadIdx.x;
     const int row = blockIdx.x * THREADS + tid;
     const size_t head_offset = (size_t)blockIdx.z * seq_len * HEAD_DIM;
+    const size_t kv_offset = (size_t)(blockIdx.z / group) * kv_len * HEAD_DIM;
+    const int causal_offset = kv_len - seq_len;
     q += head_offset;
-    k += head_offset;
-    v += head_offset;
+    k += kv_offset;
+    v += kv_offset;
     const bool active = row < seq_len;
 
     float q_row[HEAD_DIM];
@@ -34,9 +39,9 @@ scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k
         o_s[d * THREADS + tid] = 0.f;
     }
 
-    int key_end = seq_len;
+    int key_end = kv_len;
 #if CAUSAL
-    key_end = min(seq_len, (int)(blockIdx.x + 1) * THREADS);  // block-uniform bound
+    key_end = min(kv_len, (int)(blockIdx.x + 1) * THREADS + causal_offset);  // block-uniform
 #endif
     float row_max = -INFINITY;
     float row_sum = 0.f;
@@ -59,7 +64,7 @@ scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k
 #endif
         bool valid = active;
 #if CAUSAL
-        valid = valid && key <= row;
+        valid = valid && key <= row + causal_offset;
 #endif
         if (!valid) continue;
         const float new_max = fmaxf(row_max, score);

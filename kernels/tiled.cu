@@ -6,9 +6,11 @@
 //   ROWS_PER_BLOCK  query rows a block owns
 //   THREADS         threads per block
 //   THREADS_PER_ROW lanes sharing a query row (power of two <= 32)
-//   CAUSAL          1: key j attends query i only when j <= i
+//   CAUSAL          1: key j attends query i only when j <= i + kv_len - seq_len
+//                   (bottom-right aligned, as FlashAttention with a KV cache)
 //
-// Layout: q, k, v, out are contiguous [batch*heads][seq_len][HEAD_DIM].
+// Layout: q, out are contiguous [batch*heads][seq_len][HEAD_DIM], k, v
+// [batch*kv_heads][kv_len][HEAD_DIM]; query head h reads KV head h / kv_group.
 // Grid: (ceil(seq_len / ROWS_PER_BLOCK), sequence_splits, batch*heads).
 // With one split the kernel writes normalised rows to `out`; with more, each
 // split writes its unnormalised accumulator and (max, sum) to the partial
@@ -100,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ v, float* __restrict__ out,
                 float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                int seq_len, int keys_per_split, float scale_log2) {
+                int seq_len, int kv_len, int kv_group, int keys_per_split, float scale_log2) {
     extern __shared__ float4 shared_vec[];
     float* q_s = reinterpret_cast<float*>(shared_vec);
     float* k_s = q_s + ROWS_PER_BLOCK * ROW_STRIDE;
@@ -113,14 +115,17 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
     const int split = blockIdx.y;
     const size_t head = blockIdx.z;
     const size_t head_offset = head * (size_t)seq_len * HEAD_DIM;
+    // Query head `head` reads KV head head / kv_group (grouped-query attention).
+    const size_t kv_offset = (head / kv_group) * (size_t)kv_len * HEAD_DIM;
+    const int causal_offset = kv_len - seq_len;  // bottom-right causal alignment
     q += head_offset;
-    k += head_offset;
-    v += head_offset;
+    k += kv_offset;
+    v += kv_offset;
 
     const int key_begin = split * keys_per_split;
-    int key_end = min(seq_len, key_begin + keys_per_split);
+    int key_end = min(kv_len, key_begin + keys_per_split);
 #if CAUSAL
-    key_end = min(key_end, row0 + ROWS_PER_BLOCK);
+    key_end = min(key_end, row0 + ROWS_PER_BLOCK + causal_offset);
 #endif
 
     load_rows(q_s, q, row0, ROWS_PER_BLOCK, seq_len, scale_log2);
@@ -139,9 +144,9 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
 
     // Pipeline per tile t: V(t) lands while S(t) is computed; K(t+1) lands
     // while the softmax and P.V of tile t run. Copy groups complete in order.
-    if (key_begin < key_end) load_rows_async(k_s, k, key_begin, TILE_SIZE, seq_len);
+    if (key_begin < key_end) load_rows_async(k_s, k, key_begin, TILE_SIZE, kv_len);
     for (int tile_start = key_begin; tile_start < key_end; tile_start += TILE_SIZE) {
-        load_rows_async(v_s, v, tile_start, TILE_SIZE, seq_len);  // v_s free: P.V(t-1) done
+        load_rows_async(v_s, v, tile_start, TILE_SIZE, kv_len);  // v_s free: P.V(t-1) done
         wait_async_copies<1>();  // K(t) has landed (V(t) may still be in flight)
         __syncthreads();
 
@@ -174,7 +179,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
 
         __syncthreads();  // every warp is done reading k_s
         const bool has_next = tile_start + TILE_SIZE < key_end;
-        if (has_next) load_rows_async(k_s, k, tile_start + TILE_SIZE, TILE_SIZE, seq_len);
+        if (has_next) load_rows_async(k_s, k, tile_start + TILE_SIZE, TILE_SIZE, kv_len);
 
 #pragma unroll
         for (int i = 0; i < ROWS_PER_THREAD; ++i) {
@@ -186,7 +191,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                 const int key = tile_start + lane + j * THREADS_PER_ROW;
                 bool valid = key < key_end;
 #if CAUSAL
-                valid = valid && key <= query;
+                valid = valid && key <= query + causal_offset;
 #endif
                 score[i][j] = valid ? score[i][j] : -INFINITY;
                 tile_max = fmaxf(tile_max, score[i][j]);

@@ -171,10 +171,11 @@ def numpy_q() -> Any:
 
 BAD_ARRAYS = {
     "rank": (lambda: [FakeArray((4, 64, 32))], ka.AttentionInputError, r"q has 3 dimensions"),
+    # k may be shorter (a KV cache) or have fewer heads (GQA), never another head_dim
     "shapes": (
-        lambda: [FakeArray(), FakeArray((2, 4, 32, 32))],
+        lambda: [FakeArray(), FakeArray((2, 4, 64, 16))],
         ka.AttentionInputError,
-        r"k has shape \(2, 4, 32, 32\) but q has shape \(2, 4, 64, 32\)",
+        r"k has shape \(2, 4, 64, 16\) but q has shape \(2, 4, 64, 32\)",
     ),
     "dtype": (
         lambda: [FakeArray(), FakeArray(), FakeArray(typestr="<f2")],
@@ -664,10 +665,12 @@ def store_half(gpu: FakeGpu, address: Any, values: np.ndarray, fp16: bool) -> No
     target[:] = np.frombuffer(bits.tobytes(), dtype=np.uint8)
 
 
-def fake_mma_f16(gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, span, scale_log2):
+def fake_mma_f16(
+    gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, group, span, scale_log2
+):
     """``mma_f16_attention`` in float64: per split, normalised partials and a log2-sum-exp."""
     n, d, splits, bh, fp16 = int(seq_len), defines["HEAD_DIM"], grid[1], grid[2], defines["IS_FP16"]
-    assert int(kv_len) == n and grid[0] == -(-n // defines["BLOCK_M"])
+    assert int(kv_len) == n and int(group) == 1 and grid[0] == -(-n // defines["BLOCK_M"])
     q3, k3, v3 = (half_values(gpu, a, (bh, n, d), fp16) for a in (q, k, v))
     scores = np.einsum("bqd,bkd->bqk", q3, k3) * float(scale_log2)
     if defines["CAUSAL"]:

@@ -29,7 +29,7 @@ def plan(problem: Problem = BF16, **tunables: int):
 
 
 def test_it_takes_the_half_dtypes_only() -> None:
-    assert families_for("bfloat16") == ("mma_f16",) == families_for("float16")
+    assert "mma_f16" in families_for("bfloat16") and "mma_f16" in families_for("float16")
     assert "mma_f16" not in families_for("float32")
     assert plan(Problem(64, 64)).reason == "dtype float32 is not one of bfloat16, float16"
 
@@ -124,7 +124,9 @@ def test_distinct_plans_have_distinct_keys_and_the_space_is_not_empty() -> None:
         assert space.feasible, (n, d, causal)
         keys = [p.key() for p in space.feasible]
         assert len(keys) == len(set(keys))
-        assert {p.family for p in space.feasible} == {"mma_f16"}
+        # decode_f16 joins for the few-row queries it serves
+        assert "mma_f16" in {p.family for p in space.feasible}
+        assert {p.family for p in space.feasible} <= set(families_for("bfloat16"))
 
 
 def test_cost_terms_charge_the_extra_k_reads_of_two_s_groups() -> None:

@@ -26,6 +26,7 @@ from kernels.launch import (
 )
 from kernels.reference import scale_log2
 from tuner.device import H200
+from tuner.planner.families.decode_f16 import decode_f16_shared_bytes
 from tuner.planner.families.mma_f16 import mma_f16_shared_bytes
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import (
@@ -47,6 +48,10 @@ PROBLEMS = [
     Problem(65, 32, causal=True),
     Problem(1000, 128, heads=2, dtype="bfloat16"),
     Problem(65, 64, causal=True, dtype="float16"),
+    # grouped-query attention, decode against a KV cache, MQA
+    Problem(1, 128, batch=2, heads=8, dtype="bfloat16", kv_heads=2, kv_len=1000),
+    Problem(7, 64, heads=4, causal=True, dtype="float16", kv_heads=1, kv_len=300),
+    Problem(100, 32, heads=4, causal=True, kv_heads=2, kv_len=250),
 ]
 #: elem_t is the half-precision family's 16-bit element type (bf16 or fp16)
 C_TYPES = {"float*": np.uintp, "elem_t*": np.uintp, "int": np.int32, "float": np.float32}
@@ -82,7 +87,7 @@ def all_plans() -> list[KernelPlan]:
 def test_signatures_are_found_for_every_entry_function() -> None:
     signatures = kernel_signatures()
     assert set(signatures) == {name for names in build.ENTRY_FUNCTIONS.values() for name in names}
-    assert signatures["tiled_attention"] == [np.uintp] * 6 + [np.int32, np.int32, np.float32]
+    assert signatures["tiled_attention"] == [np.uintp] * 6 + [np.int32] * 4 + [np.float32]
 
 
 def check_launch(plan: KernelPlan) -> None:
@@ -103,15 +108,26 @@ def check_launch(plan: KernelPlan) -> None:
             plan.sequence_splits,
             p.batch_heads,
         )
-        assert main.args[7] == plan.keys_per_sequence_split
+        assert (main.args[6], main.args[7], main.args[8]) == (p.seq_len, p.kv_len, p.group)
+        assert main.args[9] == plan.keys_per_sequence_split
     elif plan.family == "mma_f16":
         assert main.shared_bytes == mma_f16_shared_bytes(
             plan.params.block_m, plan.params.block_n, plan.params.stages, p.head_dim
         )
         row_blocks = -(-p.seq_len // plan.params.block_m)
         assert main.grid == (row_blocks, plan.sequence_splits, p.batch_heads)
-        assert main.args[6] == main.args[7] == p.seq_len  # queries and keys alike
-        assert main.args[8] == plan.keys_per_sequence_split
+        assert (main.args[6], main.args[7], main.args[8]) == (p.seq_len, p.kv_len, p.group)
+        assert main.args[9] == plan.keys_per_sequence_split
+        assert plan.keys_per_sequence_split % plan.params.block_n == 0
+    elif plan.family == "decode_f16":
+        assert main.shared_bytes == decode_f16_shared_bytes(
+            plan.rows_per_block, plan.params.block_n, plan.params.stages, plan.params.warps,
+            p.head_dim,
+        )
+        row_blocks = -(-p.group * p.seq_len // plan.rows_per_block)
+        assert main.grid == (row_blocks, plan.sequence_splits, p.batch_kv_heads)
+        assert (main.args[6], main.args[7], main.args[8]) == (p.seq_len, p.kv_len, p.group)
+        assert main.args[9] == plan.keys_per_sequence_split
         assert plan.keys_per_sequence_split % plan.params.block_n == 0
     else:
         assert main.shared_bytes == scalar_shared_bytes(plan.threads, p.head_dim)
@@ -177,9 +193,9 @@ def test_split_buffers_are_the_plans_scratch() -> None:
 def test_arguments_carry_the_buffers_and_the_log2_scale() -> None:
     plan = plan_kernel(Problem(64, 32), KernelParams("scalar_online", threads=64), H200)
     (launch,) = launch_sequence(plan, BUFFERS)
-    q, k, v, out, seq_len, scale = launch.args
+    q, k, v, out, seq_len, kv_len, group, scale = launch.args
     assert (q, k, v, out) == (BUFFERS.q, BUFFERS.k, BUFFERS.v, BUFFERS.out)
-    assert seq_len == 64
+    assert seq_len == kv_len == 64 and group == 1
     assert scale == np.float32(scale_log2(32))
 
 

@@ -130,7 +130,7 @@ def test_splits_add_the_partial_round_trip_to_traffic():
         (dict(threads=1024, rows=16, tile=16), "no thread layout"),
         (dict(threads=100), "not a positive multiple of 32"),
         (dict(tile=512, rows=128), "shared memory"),
-        (dict(n=40, tile=128), "tile_size=128 is larger than needed for seq_len=40"),
+        (dict(n=40, tile=128), "tile_size=128 is larger than needed for kv_len=40"),
         (dict(n=40, rows=128), "rows_per_block=128 is larger than needed"),
         (dict(d=130), "not a multiple of 4"),
         (dict(tile=6), "tile_size=6 is not a multiple of 4"),

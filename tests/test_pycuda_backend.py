@@ -211,7 +211,10 @@ def _tensors(gpu: FakeGpu, defines: dict[str, int], bh: int, n: int, *addresses:
     return [gpu.floats(a, bh * n * d).reshape(bh, n, d) for a in addresses]
 
 
-def fake_tiled(gpu, defines, grid, q, k, v, out, po, pml, seq_len, keys_per_split, scale):
+def fake_tiled(
+    gpu, defines, grid, q, k, v, out, po, pml, seq_len, kv_len, group, keys_per_split, scale
+):
+    assert (int(kv_len), int(group)) == (int(seq_len), 1)  # the fakes do self-attention
     n, splits, bh, d = int(seq_len), grid[1], grid[2], defines["HEAD_DIM"]
     assert grid[0] == -(-n // defines["ROWS_PER_BLOCK"])
     q3, k3, v3, o3 = _tensors(gpu, defines, bh, n, q, k, v, out)
@@ -258,7 +261,8 @@ def fake_merge(gpu, defines, grid, po, pml, out, seq_len, splits, total_rows):
     o3[:] = merged
 
 
-def fake_scalar(gpu, defines, grid, q, k, v, out, seq_len, scale):
+def fake_scalar(gpu, defines, grid, q, k, v, out, seq_len, kv_len, group, scale):
+    assert (int(kv_len), int(group)) == (int(seq_len), 1)  # the fakes do self-attention
     n, bh = int(seq_len), grid[2]
     q3, k3, v3, o3 = _tensors(gpu, defines, bh, n, q, k, v, out)
     o3[:] = attention_reference(q3, k3, v3, bool(defines["CAUSAL"]))

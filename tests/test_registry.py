@@ -404,8 +404,8 @@ def test_frozen_0001_database_is_refused_then_upgraded(tmp_path: Path) -> None:
             PlanRegistry.open(url, readonly=readonly)
         assert f"python -m db upgrade --url {url}" in one_line(caught.value)
 
-    assert upgrade_registry(url) == ("0001", "0003")
-    assert upgrade_registry(url) == ("0003", "0003")  # idempotent
+    assert upgrade_registry(url) == ("0001", "0004")
+    assert upgrade_registry(url) == ("0004", "0004")  # idempotent
 
     with PlanRegistry.open(url) as registry:
         h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
@@ -571,7 +571,7 @@ def test_a_0002_database_with_a_row_upgrades_to_0003_and_reads_as_float32(tmp_pa
     connection.commit()
     connection.close()
 
-    assert upgrade_registry(url) == ("0002", "0003")
+    assert upgrade_registry(url) == ("0002", "0004")
     h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
     with PlanRegistry.open(url, readonly=True) as registry:
         best = registry.best(Problem(4096, 128, dtype="float32"), h200_0001)
@@ -580,3 +580,48 @@ def test_a_0002_database_with_a_row_upgrades_to_0003_and_reads_as_float32(tmp_pa
     connection = sqlite3.connect(path)
     assert connection.execute("SELECT DISTINCT dtype FROM problems").fetchall() == [("float32",)]
     connection.close()
+
+
+def test_a_0003_database_with_a_row_upgrades_to_0004_as_self_attention(tmp_path: Path) -> None:
+    """A registry at 0003 holding a plan upgrades; its problem reads kv_heads = heads and
+    kv_len = seq_len, the plan is served for the same self-attention problem, and GQA and
+    KV-cache problems of the same shape are new rows beside it."""
+    from alembic import command
+
+    from db.schema import alembic_config
+
+    path = tmp_path / "registry_0003.sqlite"
+    shutil.copy(FROZEN_0001, path)
+    url = f"sqlite:///{path}"
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0003")
+    engine.dispose()
+    connection = sqlite3.connect(path)
+    assert connection.execute("SELECT version_num FROM alembic_version").fetchall() == [("0003",)]
+    columns = [row[1] for row in connection.execute("PRAGMA table_info(problems)")]
+    assert "kv_heads" not in columns and "kv_len" not in columns
+    rows_before = connection.execute("SELECT id, heads, seq_len FROM problems").fetchall()
+    connection.close()
+    assert rows_before
+
+    assert upgrade_registry(url) == ("0003", "0004")
+    connection = sqlite3.connect(path)
+    after = connection.execute("SELECT id, kv_heads, kv_len FROM problems").fetchall()
+    connection.close()
+    assert sorted(after) == sorted(rows_before)  # kv_heads = heads, kv_len = seq_len, per row
+
+    h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
+    with PlanRegistry.open(url) as registry:
+        best = registry.best(Problem(4096, 128), h200_0001)
+        assert best is not None and best.record.median_ms == 0.8125
+        assert best.problem == Problem(4096, 128, kv_heads=1, kv_len=4096)
+        assert registry.best(Problem(4096, 128, kv_len=8192), h200_0001) is None
+        registry.record(Problem(4096, 128, kv_len=8192), h200_0001, measured(0.25))
+        served = registry.best(Problem(4096, 128, kv_len=8192), h200_0001)
+        assert served is not None and served.record.median_ms == 0.25
+        # the self-attention row is untouched by the KV-cache row beside it
+        best = registry.best(Problem(4096, 128), h200_0001)
+        assert best is not None and best.record.median_ms == 0.8125

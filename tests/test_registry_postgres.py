@@ -77,7 +77,7 @@ def test_migrations_build_exactly_the_models(fresh_postgres_url: str) -> None:
     with pytest.raises(RegistryError, match="is empty"):
         PlanRegistry.open(fresh_postgres_url, readonly=True)  # a reader creates nothing
     PlanRegistry.open(fresh_postgres_url).close()
-    assert upgrade_registry(fresh_postgres_url) == ("0003", "0003")
+    assert upgrade_registry(fresh_postgres_url) == ("0004", "0004")
     engine = create_engine(fresh_postgres_url)
     try:
         with engine.connect() as connection:

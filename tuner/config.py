@@ -124,6 +124,10 @@ class TunerConfig:
     causal: Any = False
     #: bfloat16 by default: what LLM users run attention in
     dtype: Any = "bfloat16"
+    #: KV heads (grouped-query attention; divides heads); null: heads
+    kv_heads: Any = None
+    #: key/value length (decode against a KV cache); null: seq_len
+    kv_len: Any = None
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -189,6 +193,13 @@ def _is_number(value: Any) -> bool:
 def _int_in(low: int, high: int | None = None) -> Rule:
     allowed = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
     return Rule(allowed, lambda v: _is_int(v) and v >= low and (high is None or v <= high))
+
+
+def _optional_int_in(low: int, high: int, null_means: str) -> Rule:
+    return Rule(
+        f"an integer in {low}..{high} or {null_means}",
+        lambda v: v is None or (_is_int(v) and low <= v <= high),
+    )
 
 
 def _number_above(low: float, *, optional: bool = False) -> Rule:
@@ -264,7 +275,7 @@ def _axes() -> Rule:
 
 
 _BOOL = Rule("true or false", lambda v: isinstance(v, bool))
-_SHAPE_KEYS = ("seq_len", "head_dim", "batch", "heads", "causal", "dtype")
+_SHAPE_KEYS = ("seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len")
 _AXIS_KEYS = (
     "families",
     "tile_sizes",
@@ -283,6 +294,8 @@ RULES: dict[str, Rule] = {
     "heads": _int_in(1, U32_MAX),
     "causal": _BOOL,
     "dtype": _one_of(SUPPORTED_DTYPES),
+    "kv_heads": _optional_int_in(1, U32_MAX, "null (= heads)"),
+    "kv_len": _optional_int_in(1, U32_MAX, "null (= seq_len)"),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -483,6 +496,26 @@ def problem_from(config: TunerConfig) -> Problem:
             f"{config.head_dim} is invalid: must be at most {U32_MAX} elements "
             "(the kernels index each tensor with 32-bit integers)"
         )
+    kv_heads = config.heads if config.kv_heads is None else config.kv_heads
+    kv_len = config.seq_len if config.kv_len is None else config.kv_len
+    if config.heads % kv_heads:
+        raise ConfigError(
+            f"kv_heads={kv_heads} is invalid: must divide heads={config.heads} (each KV head "
+            "serves heads/kv_heads query heads)"
+        )
+    if config.causal and config.seq_len > kv_len:
+        raise ConfigError(
+            f"kv_len={kv_len} is invalid with causal=true and seq_len={config.seq_len}: causal "
+            "masking is bottom-right aligned (query row r sees keys k <= r + kv_len - seq_len), "
+            "so kv_len must be >= seq_len"
+        )
+    kv_elements = config.batch * kv_heads * kv_len * config.head_dim
+    if kv_elements > U32_MAX:
+        raise ConfigError(
+            f"batch*kv_heads*kv_len*head_dim={config.batch}*{kv_heads}*{kv_len}*"
+            f"{config.head_dim} is invalid: must be at most {U32_MAX} elements "
+            "(the kernels index each tensor with 32-bit integers)"
+        )
     return Problem(
         seq_len=config.seq_len,
         head_dim=config.head_dim,
@@ -490,6 +523,8 @@ def problem_from(config: TunerConfig) -> Problem:
         heads=config.heads,
         causal=config.causal,
         dtype=config.dtype,
+        kv_heads=kv_heads,
+        kv_len=kv_len,
     )
 
 
@@ -545,9 +580,12 @@ def validate(config: TunerConfig) -> ValidatedConfig:
 
 
 def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceAxes) -> None:
+    kv = "" if problem.self_attention else (
+        f" kv_heads={problem.kv_heads} kv_len={problem.kv_len}"
+    )
     shape = (
         f"seq_len={problem.seq_len} head_dim={problem.head_dim} (batch={problem.batch} "
-        f"heads={problem.heads} causal={format_value(problem.causal)})"
+        f"heads={problem.heads}{kv} causal={format_value(problem.causal)})"
     )
     try:
         space = candidate_space(problem, device, axes)

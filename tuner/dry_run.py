@@ -73,11 +73,21 @@ def rank_by_prediction(
 
 
 def describe_problem(problem: Problem) -> str:
+    if problem.self_attention:
+        return (
+            f"{problem.label()} (batch={problem.batch} heads={problem.heads} "
+            f"seq_len={problem.seq_len} head_dim={problem.head_dim} "
+            f"causal={format_value(problem.causal)} dtype={problem.dtype}); "
+            f"{problem.useful_flops / 1e9:.3g} GFLOP, "
+            f"{problem.tensor_bytes / _MB:.3g} MB per tensor"
+        )
     return (
         f"{problem.label()} (batch={problem.batch} heads={problem.heads} "
-        f"seq_len={problem.seq_len} head_dim={problem.head_dim} "
-        f"causal={format_value(problem.causal)} dtype={problem.dtype}); "
-        f"{problem.useful_flops / 1e9:.3g} GFLOP, {problem.tensor_bytes / _MB:.3g} MB per tensor"
+        f"kv_heads={problem.kv_heads} seq_len={problem.seq_len} kv_len={problem.kv_len} "
+        f"head_dim={problem.head_dim} causal={format_value(problem.causal)} "
+        f"dtype={problem.dtype}); {problem.useful_flops / 1e9:.3g} GFLOP, "
+        f"{problem.tensor_bytes / _MB:.3g} MB of q, {problem.kv_tensor_bytes / _MB:.3g} MB "
+        "of k and of v"
     )
 
 

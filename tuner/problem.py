@@ -9,13 +9,43 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def shape_error(
+    seq_len: int, heads: int, causal: bool, kv_heads: int | None, kv_len: int | None
+) -> str:
+    """Why query/key shapes cannot make one problem ("" when they can).
+
+    ``kv_heads`` must divide ``heads`` (grouped-query attention: query head ``h``
+    reads KV head ``h // (heads // kv_heads)``). Causal masking is bottom-right
+    aligned (query row ``r`` sees keys ``k <= r + kv_len - seq_len``, as
+    FlashAttention and a KV cache do), so with ``seq_len > kv_len`` the first
+    ``seq_len - kv_len`` query rows would see no key at all: refused rather than
+    given an output no softmax defines.
+    """
+    if kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
+        return f"kv_heads={kv_heads} must divide heads={heads}"
+    if kv_len is not None and kv_len < 1:
+        return f"kv_len={kv_len} must be >= 1"
+    if causal and kv_len is not None and seq_len > kv_len:
+        return (
+            f"causal with seq_len={seq_len} > kv_len={kv_len}: causal masking is bottom-right "
+            "aligned, so the first seq_len - kv_len query rows would see no key"
+        )
+    return ""
+
+
 @dataclass(frozen=True, slots=True)
 class Problem:
     """One attention shape: ``out = softmax(q k^T / sqrt(head_dim)) v`` per (batch, head).
 
-    Tensors are contiguous ``[batch, heads, seq_len, head_dim]`` of ``dtype``.
-    ``dtype`` defaults to float32 here (the seed's type; the Hydra entry's default
-    is bfloat16), so code that builds problems by hand keeps its meaning.
+    q and out are contiguous ``[batch, heads, seq_len, head_dim]``, k and v
+    ``[batch, kv_heads, kv_len, head_dim]``, all of ``dtype``. ``seq_len`` is the
+    query length. ``kv_heads`` (default: ``heads``) divides ``heads``: query
+    head ``h`` reads KV head ``h // group``, ``group = heads // kv_heads``
+    (grouped-query attention; MQA at ``kv_heads=1``). ``kv_len`` (default:
+    ``seq_len``) is the key/value length; causal masking is bottom-right
+    aligned (see ``shape_error``). ``dtype`` defaults to float32 here (the seed's
+    type; the Hydra entry's default is bfloat16), so code that builds problems
+    by hand keeps its meaning.
     """
 
     seq_len: int
@@ -24,20 +54,55 @@ class Problem:
     heads: int = 1
     causal: bool = False
     dtype: str = "float32"
+    kv_heads: int = None  # type: ignore[assignment]  # None: heads
+    kv_len: int = None  # type: ignore[assignment]  # None: seq_len
+
+    def __post_init__(self) -> None:
+        reason = shape_error(self.seq_len, self.heads, self.causal, self.kv_heads, self.kv_len)
+        if reason:
+            raise ValueError(reason)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.kv_len is None:
+            object.__setattr__(self, "kv_len", self.seq_len)
 
     @property
     def batch_heads(self) -> int:
+        """Query (batch, head) pairs."""
         return self.batch * self.heads
+
+    @property
+    def batch_kv_heads(self) -> int:
+        return self.batch * self.kv_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads sharing one KV head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def self_attention(self) -> bool:
+        """Whether k and v have q's shape (every problem before GQA and KV caches)."""
+        return self.kv_heads == self.heads and self.kv_len == self.seq_len
 
     @property
     def element_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def causal_offset(self) -> int:
+        """Keys a causal query row sees beyond its own index: ``kv_len - seq_len``."""
+        return self.kv_len - self.seq_len
+
+    @property
     def attended_pairs(self) -> int:
-        """(query, key) pairs that contribute, per (batch, head): causal keeps k <= q."""
-        n = self.seq_len
-        return n * (n + 1) // 2 if self.causal else n * n
+        """(query, key) pairs that contribute, per (batch, query head).
+
+        Causal keeps ``k <= r + kv_len - seq_len`` (bottom-right): row ``r`` sees
+        ``r + 1 + kv_len - seq_len`` keys.
+        """
+        n, m = self.seq_len, self.kv_len
+        return n * (m - n) + n * (n + 1) // 2 if self.causal else n * m
 
     @property
     def useful_flops(self) -> int:
@@ -50,11 +115,30 @@ class Problem:
 
     @property
     def tensor_bytes(self) -> int:
-        """Bytes of one of q, k, v or out."""
+        """Bytes of q or of out."""
         return self.batch_heads * self.seq_len * self.head_dim * self.element_bytes
+
+    @property
+    def kv_tensor_bytes(self) -> int:
+        """Bytes of k or of v: ``kv_heads`` heads of ``kv_len`` rows."""
+        return self.batch_kv_heads * self.kv_len * self.head_dim * self.element_bytes
+
+    def shape_text(self, heads_separator: str = "/", rows_separator: str = ":") -> str:
+        """``BxHxNxD``; with GQA the heads read ``H/KVH``, with a KV length the rows ``N:KVLEN``
+        (``16x32/8x1:8192x128``: batch 16, 32 query heads on 8 KV heads, one query row
+        against 8192 keys, head_dim 128).
+
+        Self-attention shapes keep the text they always had, so the labels, study
+        names and registry rows of problems tuned before GQA still match.
+        """
+        heads = str(self.heads)
+        if self.kv_heads != self.heads:
+            heads += f"{heads_separator}{self.kv_heads}"
+        rows = str(self.seq_len)
+        if self.kv_len != self.seq_len:
+            rows += f"{rows_separator}{self.kv_len}"
+        return f"{self.batch}x{heads}x{rows}x{self.head_dim}"
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return (
-            f"{self.batch}x{self.heads}x{self.seq_len}x{self.head_dim} {self.dtype} {mask}"
-        )
+        return f"{self.shape_text()} {self.dtype} {mask}"

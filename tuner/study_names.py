@@ -43,6 +43,9 @@ def study_name(
 ) -> str:
     """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
 
+    With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
+    ``<seq_len>kv<kv_len>``; self-attention names are what they always were.
+
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
     """
@@ -53,7 +56,7 @@ def study_name(
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
-    shape = f"{problem.batch}x{problem.heads}x{problem.seq_len}x{problem.head_dim}"
+    shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
     name = f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
 

@@ -132,8 +132,10 @@ class AttentionHandle:
         self.chosen = chosen
         self.templates = templates
         self.needed = needed
-        #: bytes of q (and of k, v and out: one shape today)
+        #: bytes of q and of out
         self.tensor_bytes = needed.tensor_bytes
+        #: bytes of k and of v (fewer heads with GQA, another length with a KV cache)
+        self.kv_tensor_bytes = problem.kv_tensor_bytes
         self.driver = driver
         self.context = context  # the primary context (torch's); None where unknown
         self.has_scratch = needed.partial_o > 0

@@ -306,8 +306,9 @@ class PyCudaBackend(Backend):
                 return Measurement.failed(Failure.RUNTIME_DEVICE, str(fault))
 
     def inputs(self, problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The host copies of the problem's inputs (q, k, v as ``[batch*heads, seq_len,
-        head_dim]`` float32: the values of the inputs as rounded to the dtype) that every
+        """The host copies of the problem's inputs (q as ``[batch*heads, seq_len, head_dim]``,
+        k and v as ``[batch*kv_heads, kv_len, head_dim]``, float32: the values of the inputs
+        as rounded to the dtype) that every
         candidate runs on, so peers can be timed on them too."""
         with self.active() as drv:
             state = self._problem_state(drv, problem)
@@ -402,6 +403,8 @@ class PyCudaBackend(Backend):
         self._state = None  # free the previous problem's buffers first
         # Seeded per problem: reruns see the same inputs, other problems other ones.
         identity = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
+        if not problem.self_attention:  # self-attention problems keep the inputs they had
+            identity += (problem.kv_heads, problem.kv_len)
         rng = np.random.default_rng([self.seed, *identity, int(problem.causal)])
         # Random normals rounded to the dtype; the reference sees the rounded values.
         stored, host = precision.random_inputs(problem, rng)

@@ -223,19 +223,24 @@ def larger_than_needed(size: int, seq_len: int, smallest: int) -> bool:
     return size // 2 >= seq_len and size // 2 >= smallest
 
 
-def key_rows_read_per_head(n: int, rows_per_block: int, causal: bool) -> int:
-    """Key rows all blocks of one head read: once per block of query rows.
+def key_rows_read_per_head(
+    n: int, rows_per_block: int, causal: bool, kv_len: int | None = None
+) -> int:
+    """Key rows all blocks of one query head read: once per block of query rows.
 
     This is the reuse ``rows_per_block`` buys: K and V cross the memory bus
-    once per block, not once per query row.
+    once per block, not once per query row. ``kv_len`` (default ``n``) keys;
+    causal masking is bottom-right aligned (row ``r`` sees ``r + kv_len - n + 1``).
     """
+    m = n if kv_len is None else kv_len
+    offset = m - n
     blocks = div_ceil(n, rows_per_block)
     if not causal:
-        return blocks * n
-    # Block b attends keys [0, min(n, (b+1)*rows_per_block)): the first `full`
-    # blocks end inside the sequence, the rest (at most one) read all n keys.
+        return blocks * m
+    # Block b attends keys [0, min(m, (b+1)*rows_per_block + offset)): the first
+    # `full` blocks end inside the keys, the rest (at most one) read all m keys.
     full = n // rows_per_block
-    return rows_per_block * full * (full + 1) // 2 + (blocks - full) * n
+    return rows_per_block * full * (full + 1) // 2 + full * offset + (blocks - full) * m
 
 
 def executed_pairs(plan: KernelPlan, rows: int) -> int:
@@ -243,8 +248,9 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
 
     Query rows are padded to whole blocks of ``rows`` and keys to whole tiles
     (masked scores are computed, then discarded). Causal blocks stop at their
-    last row's tile: block ``b`` of ``R`` rows computes about ``(b + 1) R + T / 2``
-    keys; the closed form avoids a loop over blocks for long sequences.
+    last row's tile: block ``b`` of ``R`` rows computes about
+    ``(b + 1) R + kv_len - seq_len + T / 2`` keys; the closed form avoids a loop
+    over blocks for long sequences.
     """
     n = plan.problem.seq_len
     tile = plan.tile_size
@@ -253,7 +259,10 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
     padded_keys = plan.tile_count * tile
     if not plan.problem.causal:
         return padded_rows * padded_keys
-    causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * tile // 2)
+    offset = plan.problem.causal_offset
+    causal = rows * (
+        rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * (tile // 2 + offset)
+    )
     return min(causal, padded_rows * padded_keys)
 
 

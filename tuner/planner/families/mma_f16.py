@@ -96,6 +96,7 @@ class MmaF16(KernelFamily):
 
     def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
         n, d, bh = problem.seq_len, problem.head_dim, problem.batch_heads
+        kv_len = problem.kv_len
         block_m, block_n, warps = params.block_m, params.block_n, params.warps
         stages, target = params.stages, params.split_target
         if min(block_m, block_n, warps, stages, target) <= 0:
@@ -104,7 +105,7 @@ class MmaF16(KernelFamily):
                 f"split_target={target}: each must be > 0"
             )
         threads = warps * device.warp_size
-        tile_count = div_ceil(n, block_n)
+        tile_count = div_ceil(kv_len, block_n)
         splits = sequence_parallel_splits(tile_count, target=target)
         tiles_per_split = div_ceil(tile_count, splits)
         keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
@@ -132,8 +133,8 @@ class MmaF16(KernelFamily):
             reason = launch_verdict(threads, shared, device)
         if not reason and larger_than_needed(block_m, n, 64):
             reason = f"block_m={block_m} is larger than needed for seq_len={n}"
-        if not reason and larger_than_needed(block_n, n, 32):
-            reason = f"block_n={block_n} is larger than needed for seq_len={n}"
+        if not reason and larger_than_needed(block_n, kv_len, 32):
+            reason = f"block_n={block_n} is larger than needed for kv_len={kv_len}"
         if not reason and (splits > GRID_YZ_LIMIT or bh > GRID_YZ_LIMIT):
             reason = f"{splits} splits x {bh} batch-heads exceed the grid's y/z limit"
         partial = bh * splits * n * (d + 1) if splits > 1 else 0
@@ -148,7 +149,11 @@ class MmaF16(KernelFamily):
                 grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
             )
         element = problem.element_bytes
-        key_rows = key_rows_read_per_head(n, block_m, problem.causal)
+        # Every block loads its own query head's KV head: a group's query heads read
+        # the same K/V rows once each. Counted as requests (what L2 serves); DRAM
+        # sees about one read per KV head when the group's blocks run together,
+        # which the launch order (heads slowest) makes likely but does not enforce.
+        key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)
         read = element * bh * (n * d + 2 * key_rows * d)
         write = element * bh * n * d
         if splits > 1:
@@ -228,7 +233,8 @@ class MmaF16(KernelFamily):
                 partial_o,
                 partial_lse,
                 seq_len,
-                seq_len,  # kv_len: self-attention, keys as long as queries
+                np.int32(p.kv_len),
+                np.int32(p.group),
                 np.int32(plan.keys_per_sequence_split),
                 np.float32(scale_log2(p.head_dim)),
             ),

@@ -63,7 +63,8 @@ class ScalarOnline(KernelFamily):
         pairs = problem.attended_pairs
         # Every block streams the keys its rows attend (all of them, or up to its
         # last row when causal) once; the warp-uniform key address is a broadcast.
-        key_rows_read = key_rows_read_per_head(n, threads, problem.causal)
+        # Each query head's blocks read its KV head: a group's heads share K/V only in L2.
+        key_rows_read = key_rows_read_per_head(n, threads, problem.causal, problem.kv_len)
         element = problem.element_bytes
         read = element * bh * (n * d + 2 * key_rows_read * d)
         write = element * bh * n * d
@@ -73,10 +74,10 @@ class ScalarOnline(KernelFamily):
             problem=problem,
             params=params,
             tile_size=1,
-            tile_count=n,
+            tile_count=problem.kv_len,
             sequence_splits=1,
-            tiles_per_sequence_split=n,
-            keys_per_sequence_split=n,
+            tiles_per_sequence_split=problem.kv_len,
+            keys_per_sequence_split=problem.kv_len,
             split_reduce_scratch_elements=0,
             parallel_workgroups_per_row=1,
             rows_per_block=1,
@@ -104,10 +105,15 @@ class ScalarOnline(KernelFamily):
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
         q, k, v, out, _, _ = pointers(buffers)
-        seq_len = np.int32(plan.problem.seq_len)
-        scale = np.float32(scale_log2(plan.problem.head_dim))
+        p = plan.problem
+        seq_len, kv_len, group = np.int32(p.seq_len), np.int32(p.kv_len), np.int32(p.group)
+        scale = np.float32(scale_log2(p.head_dim))
         return (
-            kernel_launch(plan.launch, "scalar_online_attention", (q, k, v, out, seq_len, scale)),
+            kernel_launch(
+                plan.launch,
+                "scalar_online_attention",
+                (q, k, v, out, seq_len, kv_len, group, scale),
+            ),
         )
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:

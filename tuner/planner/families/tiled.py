@@ -133,10 +133,11 @@ class Tiled(KernelFamily):
                 f"tile_size={tile}, rows_per_block={rows}, split_target={target}: each must be > 0"
             )
         # The seed's partition, with the split target as a tunable.
-        tile_count = div_ceil(n, tile)
+        kv_len = problem.kv_len
+        tile_count = div_ceil(kv_len, tile)
         splits = sequence_parallel_splits(tile_count, target=target)
         tiles_per_split = div_ceil(tile_count, splits)
-        keys_per_split = min(checked_u32(tile * tiles_per_split, "split key span"), n)
+        keys_per_split = min(checked_u32(tile * tiles_per_split, "split key span"), kv_len)
         reduce_scratch = split_reduce_scratch_elements(splits, d)
         shared = tiled_shared_bytes(rows, tile, d)
         lanes = choose_threads_per_row(rows, tile, threads, d, device.warp_size)
@@ -147,8 +148,8 @@ class Tiled(KernelFamily):
             reason = f"tile_size={tile} is not a multiple of 4 (P.V reads the P tile as float4s)"
         if not reason:
             reason = launch_verdict(threads, shared, device)
-        if not reason and larger_than_needed(tile, n, SMALLEST_TILE):
-            reason = f"tile_size={tile} is larger than needed for seq_len={n}"
+        if not reason and larger_than_needed(tile, kv_len, SMALLEST_TILE):
+            reason = f"tile_size={tile} is larger than needed for kv_len={kv_len}"
         if not reason and larger_than_needed(rows, n, SMALLEST_TILE):
             reason = f"rows_per_block={rows} is larger than needed for seq_len={n}"
         if not reason and lanes is None:
@@ -172,7 +173,8 @@ class Tiled(KernelFamily):
             reason = f"{row_blocks} row blocks x {splits} splits overflow u32"
 
         element = problem.element_bytes
-        key_rows = key_rows_read_per_head(n, rows, problem.causal)
+        # Each query head's blocks read its KV head: a group's heads share K/V only in L2.
+        key_rows = key_rows_read_per_head(n, rows, problem.causal, kv_len)
         read = element * bh * (n * d + 2 * key_rows * d)
         write = element * bh * n * d
         if splits > 1:
@@ -251,7 +253,19 @@ class Tiled(KernelFamily):
         attention = kernel_launch(
             plan.launch,
             "tiled_attention",
-            (q, k, v, out, partial_o, partial_ml, seq_len, keys_per_split, scale),
+            (
+                q,
+                k,
+                v,
+                out,
+                partial_o,
+                partial_ml,
+                seq_len,
+                np.int32(p.kv_len),
+                np.int32(p.group),
+                keys_per_split,
+                scale,
+            ),
         )
         return with_split_merge(plan, attention, "split_merge", buffers)
 
