@@ -31,7 +31,7 @@ from db.registry import PlanRegistry, upgrade_registry
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import SUPPORTED_DTYPES, Problem
+from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--heads", type=_positive, default=1)
     shape.add_argument("--causal", action="store_true")
     shape.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
+    shape.add_argument(
+        "--precision",
+        choices=FLOAT32_PRECISIONS,
+        help="float32 only: tf32x3 (the default) or tf32 (one-pass TF32 plans)",
+    )
     shape.add_argument(
         "--gpu-name",
         help="restrict to environments with this GPU (and the fields below, where given)",
@@ -127,7 +132,17 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         return None
     if args.seq_len is None or args.head_dim is None:
         raise TunerError("a problem needs both --seq-len and --head-dim")
-    return Problem(args.seq_len, args.head_dim, args.batch, args.heads, args.causal, args.dtype)
+    if args.precision is not None and args.dtype != "float32":
+        raise TunerError(f"--precision {args.precision} applies to --dtype float32 only")
+    return Problem(
+        args.seq_len,
+        args.head_dim,
+        args.batch,
+        args.heads,
+        args.causal,
+        args.dtype,
+        precision=args.precision or "",
+    )
 
 
 def _environment(args: argparse.Namespace) -> dict[str, object] | None:

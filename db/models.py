@@ -111,6 +111,7 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
         "heads": problem.heads,
         "causal": problem.causal,
         "dtype": problem.dtype,
+        "precision": problem.precision,
     }
 
 
@@ -177,11 +178,18 @@ class ProblemRow(Base):
     """One attention shape; one row per distinct shape."""
 
     __tablename__ = "problems"
-    # Column order puts (head_dim, dtype, causal) first so that the same unique
-    # index serves both the exact lookup and the nearest-shape candidates.
+    # Column order puts (head_dim, dtype, precision, causal) first so that the same
+    # unique index serves both the exact lookup and the nearest-shape candidates.
     __table_args__ = (
         UniqueConstraint(
-            "head_dim", "dtype", "causal", "seq_len", "batch", "heads", name="uq_problems_shape"
+            "head_dim",
+            "dtype",
+            "precision",
+            "causal",
+            "seq_len",
+            "batch",
+            "heads",
+            name="uq_problems_shape",
         ),
     )
 
@@ -192,6 +200,9 @@ class ProblemRow(Base):
     heads: Mapped[int] = mapped_column(Integer)
     causal: Mapped[bool] = mapped_column(Boolean)
     dtype: Mapped[str] = mapped_column(String(16))
+    # Added by revision 0005: "tf32x3" or "tf32" for float32 (rows from before it
+    # read as "tf32x3", the accurate precision), "" for the half dtypes.
+    precision: Mapped[str] = mapped_column(String(16), server_default="")
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -206,6 +217,7 @@ class ProblemRow(Base):
             heads=problem.heads,
             causal=problem.causal,
             dtype=problem.dtype,
+            precision=problem.precision,
         )
 
     def to_problem(self) -> Problem:
@@ -216,6 +228,7 @@ class ProblemRow(Base):
             heads=self.heads,
             causal=self.causal,
             dtype=self.dtype,
+            precision=self.precision,
         )
 
 

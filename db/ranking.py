@@ -13,7 +13,7 @@ the plan already there. A plan is *stale* when it was measured and the caller's
 there is nothing to judge by.
 
 Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
-share head_dim, dtype and causal with the asked problem. They are ordered by
+share head_dim, dtype, precision and causal with the asked problem. They are ordered by
 
 1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len,
 2. |log2(batch*heads / asked batch*heads)|, ties to the larger,
@@ -78,5 +78,6 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
     return (
         candidate.head_dim == asked.head_dim
         and candidate.dtype == asked.dtype
+        and candidate.precision == asked.precision
         and candidate.causal == asked.causal
     )

@@ -50,7 +50,12 @@ _FROM = (
 _RECORD_FIELDS = [f.name for f in fields(PlanRecord)]
 _ENVIRONMENT_FIELDS = [f.name for f in fields(Environment)]
 
-SHAPE_FAMILY_TERMS = ("q.head_dim = :head_dim", "q.dtype = :dtype", "q.causal = :causal")
+SHAPE_FAMILY_TERMS = (
+    "q.head_dim = :head_dim",
+    "q.dtype = :dtype",
+    "q.precision = :precision",
+    "q.causal = :causal",
+)
 EXACT_SHAPE_TERMS = (
     *SHAPE_FAMILY_TERMS,
     "q.seq_len = :seq_len",
@@ -139,6 +144,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
     params: dict[str, Any] = {
         "head_dim": problem.head_dim,
         "dtype": problem.dtype,
+        "precision": problem.precision,
         "causal": problem.causal,
     }
     if exact:
@@ -165,7 +171,7 @@ def best_pointers(
     connection: Connection, problem: Problem, environment: EnvironmentMatch | None, *, exact: bool
 ) -> list[FoundPlan]:
     """The best-pointer plans of ``problem`` (exact) or of its shape family (same
-    head_dim, dtype, causal), in the environment(s) ``environment`` matches or in any."""
+    head_dim, dtype, precision, causal), in the environment(s) ``environment`` matches or in any."""
     where = EXACT_SHAPE_TERMS if exact else SHAPE_FAMILY_TERMS
     params = _problem_params(problem, exact=exact)
     if environment is not None:
@@ -231,5 +237,5 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 
 
 def every_best(connection: Connection) -> list[FoundPlan]:
-    order = "q.head_dim, q.dtype, q.causal, q.seq_len, q.batch, q.heads, e.id"
+    order = "q.head_dim, q.dtype, q.precision, q.causal, q.seq_len, q.batch, q.heads, e.id"
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

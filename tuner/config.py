@@ -24,7 +24,7 @@ from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.problem import SUPPORTED_DTYPES, Problem
+from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 
 @dataclass
@@ -124,6 +124,9 @@ class TunerConfig:
     causal: Any = False
     #: bfloat16 by default: what LLM users run attention in
     dtype: Any = "bfloat16"
+    #: float32 only: "tf32x3" (null means it: float32-class error) or "tf32" (one-pass
+    #: TF32 tensor-core plans allowed too); null for bfloat16/float16
+    precision: Any = None
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -264,7 +267,7 @@ def _axes() -> Rule:
 
 
 _BOOL = Rule("true or false", lambda v: isinstance(v, bool))
-_SHAPE_KEYS = ("seq_len", "head_dim", "batch", "heads", "causal", "dtype")
+_SHAPE_KEYS = ("seq_len", "head_dim", "batch", "heads", "causal", "dtype", "precision")
 _AXIS_KEYS = (
     "families",
     "tile_sizes",
@@ -283,6 +286,10 @@ RULES: dict[str, Rule] = {
     "heads": _int_in(1, U32_MAX),
     "causal": _BOOL,
     "dtype": _one_of(SUPPORTED_DTYPES),
+    "precision": Rule(
+        f"one of {', '.join(FLOAT32_PRECISIONS)} or null (float32 only)",
+        lambda v: v is None or (isinstance(v, str) and v in FLOAT32_PRECISIONS),
+    ),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -476,6 +483,11 @@ def problem_from(config: TunerConfig) -> Problem:
     """The attention problem of ``config``; ``ConfigError`` names a bad shape value."""
     for key in _SHAPE_KEYS:
         _check(key, getattr(config, key))
+    if config.precision is not None and config.dtype != "float32":
+        raise ConfigError(
+            f"precision={config.precision} is invalid: it applies to dtype=float32 only, "
+            f"and {config.dtype} has no TF32 variants (leave precision unset)"
+        )
     elements = config.batch * config.heads * config.seq_len * config.head_dim
     if elements > U32_MAX:
         raise ConfigError(
@@ -490,6 +502,7 @@ def problem_from(config: TunerConfig) -> Problem:
         heads=config.heads,
         causal=config.causal,
         dtype=config.dtype,
+        precision=config.precision or "",
     )
 
 

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 #: element types of q, k, v and out; the half types are 2-byte elements
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: how float32 inputs may be multiplied: "tf32x3" (the default, float32-class
+#: error: SIMT FFMA or the 3xTF32 split on tensor cores) or "tf32" (one TF32
+#: pass allowed too: 10-bit significands, faster). Most precise first.
+FLOAT32_PRECISIONS = ("tf32x3", "tf32")
+#: the precision a float32 problem gets when none is asked for
+DEFAULT_FLOAT32_PRECISION = "tf32x3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +22,12 @@ class Problem:
     Tensors are contiguous ``[batch, heads, seq_len, head_dim]`` of ``dtype``.
     ``dtype`` defaults to float32 here (the seed's type; the Hydra entry's default
     is bfloat16), so code that builds problems by hand keeps its meaning.
+
+    ``precision`` is the least precise arithmetic a plan may use: for float32
+    one of ``FLOAT32_PRECISIONS`` ("" means the accurate default, "tf32x3");
+    for the half dtypes it does not apply and is "". The accurate precision is
+    left out of labels and names, so every problem from before the field
+    existed keeps its label, study name and registry row.
     """
 
     seq_len: int
@@ -24,6 +36,25 @@ class Problem:
     heads: int = 1
     causal: bool = False
     dtype: str = "float32"
+    precision: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype == "float32":
+            if not self.precision:
+                object.__setattr__(self, "precision", DEFAULT_FLOAT32_PRECISION)
+            elif self.precision not in FLOAT32_PRECISIONS:
+                raise ValueError(
+                    f"precision={self.precision!r} is not one of {', '.join(FLOAT32_PRECISIONS)}"
+                )
+        elif self.precision:
+            raise ValueError(
+                f"precision={self.precision!r} applies to float32 only, not {self.dtype}"
+            )
+
+    @property
+    def fast_tf32(self) -> bool:
+        """One-pass TF32 plans may serve this problem (``precision="tf32"``)."""
+        return self.precision == "tf32"
 
     @property
     def batch_heads(self) -> int:
@@ -56,5 +87,11 @@ class Problem:
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
         return (
-            f"{self.batch}x{self.heads}x{self.seq_len}x{self.head_dim} {self.dtype} {mask}"
+            f"{self.batch}x{self.heads}x{self.seq_len}x{self.head_dim} {self.dtype_label} {mask}"
         )
+
+    @property
+    def dtype_label(self) -> str:
+        """``dtype``, with ``-tf32`` for the fast float32 precision (the accurate one is
+        the default and shows nothing, so existing labels and names are unchanged)."""
+        return f"{self.dtype}-tf32" if self.fast_tf32 else self.dtype

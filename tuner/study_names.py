@@ -41,7 +41,7 @@ def study_name(
     *,
     sampler: str = "tpe",
 ) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -54,7 +54,7 @@ def study_name(
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
     shape = f"{problem.batch}x{problem.heads}x{problem.seq_len}x{problem.head_dim}"
-    name = f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}-{sampler}"
+    name = f"{shape}-{problem.dtype_label}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
 
 
