@@ -62,6 +62,7 @@ for _module in (
     "scalar_online",
     "tiled",
     "mma_f16",
+    "mma_tf32",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)
 
