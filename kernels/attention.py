@@ -44,6 +44,7 @@ from kernels.attention_args import (
     AttentionInputTypeError,
     check_causal,
     check_inputs,
+    check_precision,
     interface_device,
 )
 from kernels.plan_choice import ChosenPlan
@@ -97,14 +98,24 @@ class Attention:
         self._runners: dict[int, DeviceRunner] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, q: Any, k: Any, v: Any, causal: bool = False, *, out: Any = None) -> Any:
+    def __call__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        causal: bool = False,
+        *,
+        out: Any = None,
+        precision: str | None = None,
+    ) -> Any:
         inputs = check_inputs(q, k, v, out)
         causal = check_causal(causal)
+        asked = check_precision(precision, inputs.q.dtype)
         if inputs.q.is_torch:
             runner = self._runner(inputs.q.device or 0)
-            return runner.run_torch(inputs, causal, sys.modules["torch"])
+            return runner.run_torch(inputs, causal, sys.modules["torch"], asked)
         device, facts = interface_device(inputs)
-        return self._runner(device).run_arrays(inputs, causal, facts)
+        return self._runner(device).run_arrays(inputs, causal, facts, asked)
 
     def plan_for(self, problem: Problem, device: int = 0) -> ChosenPlan:
         """The plan ``problem`` runs with on GPU ``device`` (chosen now if not yet)."""
@@ -193,13 +204,19 @@ def attention(
     *,
     out: Any = None,
     nearest: bool = False,
+    precision: str | None = None,
 ) -> Any:
     """softmax(q k^T / sqrt(head_dim)) v with the tuned plan of this shape; see the module doc.
 
     Returns a new array of q's kind and dtype (a torch tensor, else a GPUArray), or ``out``
     filled. bfloat16 and float16 run the best plan stored for that dtype (tensor-core kernels).
+    float32 runs the plan stored for ``precision``: "tf32x3" (None means it: float32-class
+    error, SIMT or 3xTF32 plans) or "tf32" (one-pass TF32 plans too); a plan tuned under
+    "tf32" is never served to a "tf32x3" call.
     """
-    return default_instance(registry, nearest=nearest)(q, k, v, causal, out=out)
+    return default_instance(registry, nearest=nearest)(
+        q, k, v, causal, out=out, precision=precision
+    )
 
 
 class _CallableModule(types.ModuleType):

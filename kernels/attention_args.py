@@ -34,7 +34,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tuner.errors import TunerError
-from tuner.problem import DTYPE_BYTES, SUPPORTED_DTYPES
+from tuner.problem import (
+    DEFAULT_FLOAT32_PRECISION,
+    DTYPE_BYTES,
+    FLOAT32_PRECISIONS,
+    SUPPORTED_DTYPES,
+)
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
 #: the interface typestrs taken, as numpy dtypes, and the problem dtype each one is
@@ -280,6 +285,26 @@ def check_causal(causal: Any) -> bool:
     if not isinstance(causal, bool | np.bool_):
         raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
     return bool(causal)
+
+
+def check_precision(precision: Any, dtype: str) -> str:
+    """The problem precision of a call: "tf32x3" (the float32 default: float32-class
+    error) or "tf32" (one-pass TF32 plans may serve it) for float32; "" for half dtypes,
+    which refuse any TF32 precision. A plan stored for "tf32" never serves "tf32x3"."""
+    if dtype != "float32":
+        if precision is not None:
+            raise AttentionInputError(
+                f"precision={precision!r} applies to float32 inputs only, not {dtype}; "
+                "leave it unset"
+            )
+        return ""
+    if precision is None:
+        return DEFAULT_FLOAT32_PRECISION
+    if precision not in FLOAT32_PRECISIONS:
+        raise AttentionInputError(
+            f"precision must be one of {', '.join(FLOAT32_PRECISIONS)}, got {precision!r}"
+        )
+    return str(precision)
 
 
 # ---------------------------------------------------------------------------- pointer facts

@@ -854,12 +854,12 @@ def test_float16_arrays_run_the_stored_half_plan_with_float32_scratch(gpu, regis
     # The split scratch: allocated once, float32, in the sizes the family's buffer_elements says.
     assert gpu.allocations == allocations + 2
     runner = attend._runners[0]
-    prepared = runner.prepared((shape, "float16", True))
+    prepared = runner.prepared((shape, "float16", True, ""))
     needed = buffer_elements(chosen.plan)
     assert needed.partial_ml == 2 * 4 * 200  # one log-sum-exp per row and split
     sizes = [gpu.memory[int(scratch)].nbytes for scratch in prepared.scratch]
     assert sizes == [needed.partial_o * 4, needed.partial_ml * 4]
-    assert set(runner._prepared) == {(shape, "float16", True)}
+    assert set(runner._prepared) == {(shape, "float16", True, "")}
 
 
 def test_a_producer_stream_is_waited_for(gpu, registry, monkeypatch) -> None:

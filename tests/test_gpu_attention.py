@@ -284,7 +284,7 @@ def test_per_call_overhead_is_small_and_the_call_does_not_wait(torch, no_registr
     allocating_us = per_call_us(lambda: attend(q, k, v, False))
     # The floor: the same kernels launched straight through PyCUDA (the runner's own objects).
     runner = attend._runners[q.device.index]
-    prepared = runner.prepared((shape, "float32", False))
+    prepared = runner.prepared((shape, "float32", False, "tf32x3"))
     launches = prepared.launches(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
 
     def bare() -> None:

@@ -86,9 +86,7 @@ class Problem:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return (
-            f"{self.batch}x{self.heads}x{self.seq_len}x{self.head_dim} {self.dtype_label} {mask}"
-        )
+        return f"{self.batch}x{self.heads}x{self.seq_len}x{self.head_dim} {self.dtype_label} {mask}"
 
     @property
     def dtype_label(self) -> str:

@@ -62,7 +62,7 @@ LEGACY_STREAMS = (0, 1)
 #: stream; 1: legacy default; 2: per-thread default, which syncs with the legacy one)
 ORDERED_STREAMS = (None, 1, 2)
 
-Key = tuple[tuple[int, ...], str, bool]  # (shape, dtype, causal)
+Key = tuple[tuple[int, ...], str, bool, str]  # (shape, dtype, causal, precision)
 
 
 class _Prepared:
@@ -141,8 +141,16 @@ class DeviceRunner:
         return found
 
     def _prepare(self, key: Key) -> _Prepared:
-        (batch, heads, seq_len, head_dim), dtype, causal = key
-        problem = Problem(seq_len, head_dim, batch=batch, heads=heads, causal=causal, dtype=dtype)
+        (batch, heads, seq_len, head_dim), dtype, causal, precision = key
+        problem = Problem(
+            seq_len,
+            head_dim,
+            batch=batch,
+            heads=heads,
+            causal=causal,
+            dtype=dtype,
+            precision=precision,
+        )
         plan = self.chooser.plan_for(problem).plan
         compiled = self._compiled.get(build.KernelSpec.from_plan(plan).key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
@@ -198,8 +206,8 @@ class DeviceRunner:
                     f"{prepared.plan.key()}: {launch.function} on cuda:{self.index}: {error}"
                 ) from error
 
-    def run_torch(self, inputs: Inputs, causal: bool, torch: Any) -> Any:
-        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal))
+    def run_torch(self, inputs: Inputs, causal: bool, torch: Any, precision: str = "") -> Any:
+        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal, precision))
         # torch work (allocation, stream and event calls) stays outside our pushed context.
         if inputs.out is None:
             result = torch.empty_like(inputs.q.value)  # q's dtype
@@ -227,7 +235,13 @@ class DeviceRunner:
         self._bridge = _StreamBridge(own, external, torch.cuda.Event(), torch.cuda.Event())
         return self._bridge
 
-    def run_arrays(self, inputs: Inputs, causal: bool, facts: Sequence[PointerFacts | None]) -> Any:
+    def run_arrays(
+        self,
+        inputs: Inputs,
+        causal: bool,
+        facts: Sequence[PointerFacts | None],
+        precision: str = "",
+    ) -> Any:
         for array, fact in zip(inputs.arrays, facts, strict=True):
             # 0: pool and VMM allocations belong to no context; None: the driver was not asked.
             if fact and fact.context and self.context and fact.context != self.context:
@@ -236,7 +250,7 @@ class DeviceRunner:
                     "primary context, which kernels.attention (and torch) use: allocate it "
                     "there (pycuda.autoprimaryctx, not pycuda.autoinit)"
                 )
-        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal))
+        prepared = self.prepared((inputs.q.shape, inputs.q.dtype, causal, precision))
         with self.backend.active() as drv:
             if any(array.stream not in ORDERED_STREAMS for array in inputs.arrays):
                 drv.Context.synchronize()  # a producer stream PyCUDA cannot wait on
