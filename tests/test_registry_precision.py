@@ -131,3 +131,30 @@ def test_a_registry_from_before_precision_upgrades_and_reads_float32_as_tf32x3(
         # the same shape under tf32 is a new row beside the old one
         registry.record(Problem(4096, 128, precision="tf32"), h200_0001, record(0.3, ONE_PASS))
         assert registry.best(Problem(4096, 128), h200_0001).record.median_ms == 0.8125  # type: ignore[union-attr]
+
+
+def test_the_db_cli_names_a_problem_by_precision(registry: PlanRegistry, capsys) -> None:
+    from db.cli import main
+
+    registry.record(FAST, H200, record(3.0, ONE_PASS))
+    shape = [
+        "--url",
+        registry.url,
+        "--seq-len",
+        "4096",
+        "--head-dim",
+        "128",
+        "--batch",
+        "4",
+        "--heads",
+        "16",
+        "--dtype",
+        "float32",
+    ]
+    assert main(["best", *shape, "--precision", "tf32"]) == 0
+    assert "float32-tf32" in capsys.readouterr().out
+    assert main(["best", *shape]) != 0  # tf32x3, the default: no plan
+    assert "no plan for 4x16x4096x128 float32 full" in capsys.readouterr().out
+    shape[-1] = "bfloat16"
+    assert main(["best", *shape, "--precision", "tf32"]) != 0
+    assert "applies to --dtype float32 only" in capsys.readouterr().err
