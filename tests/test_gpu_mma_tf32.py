@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 
 import pytest
@@ -125,3 +126,79 @@ def test_the_matrix_has_split_plans_and_both_warp_shapes(backend: PyCudaBackend)
     assert 1 in splits and 2 in splits and max(splits) >= 4
     assert {plan.params.block_m // plan.params.warps for plan in plans} == {16, 32}
     assert {plan.params.passes for plan in plans} == {1, 3}
+
+
+# ---------------------------------------------------------------------------- deploy path
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sqlalchemy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device answers torch")
+    return torch
+
+
+def test_attention_serves_each_precision_its_own_plan(torch, tmp_path, monkeypatch) -> None:
+    """``kernels.attention(..., precision=...)`` on float32 torch tensors: a one-pass plan
+    stored for tf32 serves tf32 calls, never the default (tf32x3) ones, and each output is
+    within its precision's limit of float64 (tf32x3: twice torch's efficient SDPA error +
+    2^-20)."""
+    from db import PlanRecord, PlanRegistry
+    from kernels import build
+    from kernels.attention import Attention
+
+    monkeypatch.chdir(tmp_path)
+    shape, causal = (1, 4, 1000, 128), True
+    problem = Problem(1000, 128, batch=1, heads=4, causal=causal, precision="tf32")
+    one_pass = {
+        "block_m": 64,
+        "block_n": 64,
+        "warps": 4,
+        "stages": 2,
+        "passes": 1,
+        "split_target": 4,
+    }
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    with PlanRegistry.open(url) as writer:
+        probe = Attention(writer)
+        record = PlanRecord(
+            "mma_tf32", one_pass, build.source_hash("mma_tf32"), measured=True, median_ms=1.0
+        )
+        writer.record(problem, probe.environment(), record)
+        probe.close()
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.float32, generator=generator)
+        for _ in range(3)
+    )
+    attend = Attention(url)
+    with torch.no_grad():
+        fast = attend(q, k, v, causal, precision="tf32")
+        accurate = attend(q, k, v, causal)
+        want = (
+            torch.softmax(
+                (q.double() @ k.double().transpose(-1, -2) / math.sqrt(128)).masked_fill(
+                    torch.ones(1000, 1000, dtype=torch.bool, device="cuda").triu(1), float("-inf")
+                ),
+                dim=-1,
+            )
+            @ v.double()
+        )
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    fast_plan = attend.plan_for(problem).plan
+    accurate_plan = attend.plan_for(dataclasses.replace(problem, precision="tf32x3")).plan
+    assert fast_plan.params.passes == 1
+    assert accurate_plan.family != "mma_tf32" or accurate_plan.params.passes == 3
+    torch_error = float((theirs.double() - want).abs().max())
+    accurate_error = float((accurate.double() - want).abs().max())
+    fast_error = float((fast.double() - want).abs().max())
+    assert accurate_error <= 2 * torch_error + 2.0**-20, (accurate_error, torch_error)
+    assert 10 * accurate_error < fast_error < 4e-3, (fast_error, accurate_error)
+    with pytest.raises(ValueError, match="applies to float32 inputs only"):
+        attend(q.half(), k.half(), v.half(), causal, precision="tf32")
+    attend.close()
