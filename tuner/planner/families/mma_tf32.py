@@ -8,11 +8,12 @@ runs in fp32 on exp2, and split-KV partials are merged through their
 log2-sum-exps by ``mma_tf32_split_merge``.
 
 ``passes`` is the precision: 3 is the 3xTF32 split (each operand as a
-hi + lo pair of TF32 values, three products per mma: float32-class error,
-what torch's float32 "efficient" SDPA runs), 1 a single TF32 product (10-bit
-significands, about three times the tensor-core throughput). The problem's
-precision decides which may run: ``tf32x3`` (the float32 default) admits only
-3, ``tf32`` both.
+hi + lo pair of TF32 values, three products per mma; the tensor cores' fp32
+adds truncate, so S's small products get their own accumulator and each
+tile's P V is folded into O by a rounding FFMA: errors of torch's float32 SDPA's
+order on the H200, ``bench/results/tf32_2026-12-03``), 1 a single TF32 product
+(10-bit significands; 2.3-2.6x faster there). The problem's precision decides
+which may run: ``tf32x3`` (the float32 default) admits only 3, ``tf32`` both.
 
 The shared-memory formula here and the kernel's layout are one contract (see
 the head of ``kernels/mma_tf32.cu``): rows of ``head_dim + 4`` floats, Q's
