@@ -59,6 +59,7 @@ from kernels.backends.replay import Recording, ReplayBackend, load_recordings
 from tuner.config import DeviceConfig, SearchConfig, device_profile_from, space_axes_from
 from tuner.costmodel import Prediction, predict, rank_correlation
 from tuner.device import DeviceProfile
+from tuner.planner.families import families_for
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
@@ -227,7 +228,10 @@ def setup_problem(path: Path, index: int, cubins: str | None = None) -> ProblemS
     """
     recording = load_recordings(path)[index]
     device = device_profile_from(DeviceConfig())
-    space = candidate_space(recording.problem, device, space_axes_from(SearchConfig()))
+    # Families the recording predates (no source hash in it) have no timings to replay.
+    recorded = [f for f in families_for(recording.problem.dtype) if f in recording.source_hashes]
+    axes = space_axes_from(SearchConfig(families=recorded))
+    space = candidate_space(recording.problem, device, axes)
     feasible: list[KernelPlan] = []
     compiled_out: list[KernelPlan] = []
     for plan in space.feasible:

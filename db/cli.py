@@ -31,7 +31,7 @@ from db.registry import PlanRegistry, upgrade_registry
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import SUPPORTED_DTYPES, Problem, shape_error
+from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem, shape_error
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
     shape.add_argument("--kv-heads", type=_positive, help="KV heads (GQA; default: --heads)")
     shape.add_argument("--kv-len", type=_positive, help="key/value length (default: --seq-len)")
+    shape.add_argument(
+        "--precision",
+        choices=FLOAT32_PRECISIONS,
+        help="float32 only: tf32x3 (the default) or tf32 (one-pass TF32 plans)",
+    )
     shape.add_argument(
         "--gpu-name",
         help="restrict to environments with this GPU (and the fields below, where given)",
@@ -132,6 +137,8 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
     reason = shape_error(args.seq_len, args.heads, args.causal, args.kv_heads, args.kv_len)
     if reason:
         raise TunerError(f"not a problem: {reason}")
+    if args.precision is not None and args.dtype != "float32":
+        raise TunerError(f"--precision {args.precision} applies to --dtype float32 only")
     return Problem(
         args.seq_len,
         args.head_dim,
@@ -141,6 +148,7 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         args.dtype,
         kv_heads=args.kv_heads,
         kv_len=args.kv_len,
+        precision=args.precision or "",
     )
 
 

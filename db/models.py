@@ -113,6 +113,7 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
         "dtype": problem.dtype,
         "kv_heads": problem.kv_heads,
         "kv_len": problem.kv_len,
+        "precision": problem.precision,
     }
 
 
@@ -179,12 +180,13 @@ class ProblemRow(Base):
     """One attention shape; one row per distinct shape."""
 
     __tablename__ = "problems"
-    # Column order puts (head_dim, dtype, causal) first so that the same unique
-    # index serves both the exact lookup and the nearest-shape candidates.
+    # Column order puts (head_dim, dtype, precision, causal) first so that the same
+    # unique index serves both the exact lookup and the nearest-shape candidates.
     __table_args__ = (
         UniqueConstraint(
             "head_dim",
             "dtype",
+            "precision",
             "causal",
             "seq_len",
             "batch",
@@ -206,6 +208,9 @@ class ProblemRow(Base):
     # before it are self-attention: kv_heads = heads, kv_len = seq_len.
     kv_heads: Mapped[int] = mapped_column(Integer)
     kv_len: Mapped[int] = mapped_column(Integer)
+    # Added by revision 0005: "tf32x3" or "tf32" for float32 (rows from before it
+    # read as "tf32x3", the accurate precision), "" for the half dtypes.
+    precision: Mapped[str] = mapped_column(String(16), server_default="")
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -222,6 +227,7 @@ class ProblemRow(Base):
             dtype=problem.dtype,
             kv_heads=problem.kv_heads,
             kv_len=problem.kv_len,
+            precision=problem.precision,
         )
 
     def to_problem(self) -> Problem:
@@ -234,6 +240,7 @@ class ProblemRow(Base):
             dtype=self.dtype,
             kv_heads=self.kv_heads,
             kv_len=self.kv_len,
+            precision=self.precision,
         )
 
 

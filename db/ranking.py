@@ -13,8 +13,8 @@ the plan already there. A plan is *stale* when it was measured and the caller's
 there is nothing to judge by.
 
 Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
-share head_dim, dtype, causal and the group size (query heads per KV head)
-with the asked problem. They are ordered by
+share head_dim, dtype, precision, causal and the group size (query heads per
+KV head) with the asked problem. They are ordered by
 
 1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len (query length:
    a decode plan never stands in for a prefill one while a nearer length exists),
@@ -85,6 +85,7 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
     return (
         candidate.head_dim == asked.head_dim
         and candidate.dtype == asked.dtype
+        and candidate.precision == asked.precision
         and candidate.causal == asked.causal
         and candidate.group == asked.group
     )

@@ -53,6 +53,7 @@ _ENVIRONMENT_FIELDS = [f.name for f in fields(Environment)]
 SHAPE_FAMILY_TERMS = (
     "q.head_dim = :head_dim",
     "q.dtype = :dtype",
+    "q.precision = :precision",
     "q.causal = :causal",
     "q.heads = q.kv_heads * :group",
 )
@@ -146,6 +147,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
     params: dict[str, Any] = {
         "head_dim": problem.head_dim,
         "dtype": problem.dtype,
+        "precision": problem.precision,
         "causal": problem.causal,
         "group": problem.group,
     }
@@ -179,7 +181,7 @@ def best_pointers(
     connection: Connection, problem: Problem, environment: EnvironmentMatch | None, *, exact: bool
 ) -> list[FoundPlan]:
     """The best-pointer plans of ``problem`` (exact) or of its shape family (same
-    head_dim, dtype, causal), in the environment(s) ``environment`` matches or in any."""
+    head_dim, dtype, precision, causal), in the environment(s) ``environment`` matches or in any."""
     where = EXACT_SHAPE_TERMS if exact else SHAPE_FAMILY_TERMS
     params = _problem_params(problem, exact=exact)
     if environment is not None:
@@ -246,6 +248,7 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 
 def every_best(connection: Connection) -> list[FoundPlan]:
     order = (
-        "q.head_dim, q.dtype, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads, q.kv_len, e.id"
+        "q.head_dim, q.dtype, q.precision, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads,"
+        " q.kv_len, e.id"
     )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

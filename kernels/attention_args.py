@@ -38,7 +38,14 @@ import numpy as np
 
 from kernels.cuda_driver import libcuda
 from tuner.errors import TunerError
-from tuner.problem import DTYPE_BYTES, SUPPORTED_DTYPES, Problem, shape_error
+from tuner.problem import (
+    DEFAULT_FLOAT32_PRECISION,
+    DTYPE_BYTES,
+    FLOAT32_PRECISIONS,
+    SUPPORTED_DTYPES,
+    Problem,
+    shape_error,
+)
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
 KV_LAYOUT = "[batch, kv_heads, kv_len, head_dim]"
@@ -321,14 +328,20 @@ def check_causal(causal: Any) -> bool:
     return bool(causal)
 
 
-def problem_of(inputs: Inputs, causal: bool) -> Problem:
+def problem_of(inputs: Inputs, causal: bool, precision: str = "") -> Problem:
     """The problem checked inputs pose: what a handle is resolved (and cached) for; kv_heads
-    and kv_len from k's shape."""
-    return problem_from_shapes(inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal)
+    and kv_len from k's shape; ``precision`` as ``check_precision`` returned it."""
+    return problem_from_shapes(
+        inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal, precision
+    )
 
 
 def problem_from_shapes(
-    q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype: str, causal: bool
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    dtype: str,
+    causal: bool,
+    precision: str = "",
 ) -> Problem:
     """The problem of q's and k's (checked) shapes; ``AttentionInputError`` when causal
     masking leaves query rows without a key (``seq_len > kv_len``)."""
@@ -346,13 +359,16 @@ def problem_from_shapes(
         dtype=dtype,
         kv_heads=kv_heads,
         kv_len=kv_len,
+        precision=precision,
     )
 
 
 # ---------------------------------------------------------------------------- torch, per call
 
 
-def torch_signature(q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, ...]:
+def torch_signature(
+    q: Any, k: Any, v: Any, causal: bool, precision: str | None = None
+) -> tuple[Any, ...]:
     """What a call on torch tensors (``type(q) is type(k) is type(v) is torch.Tensor``) is
     keyed by: every property of q, k and v the problem and device follow from. A signature seen
     before passed ``check_inputs`` then; ``torch_pointers`` checks what it does not cover."""
@@ -367,6 +383,7 @@ def torch_signature(q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, ...]:
         k.get_device(),
         v.get_device(),
         causal,
+        precision,
     )
 
 
@@ -417,6 +434,24 @@ def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> None:
             )
         described.append(_describe_tensor(name, value, torch, pointer=False))
     _check_agreement(*described)
+def check_precision(precision: Any, dtype: str) -> str:
+    """The problem precision of a call: "tf32x3" (the float32 default: float32-class
+    error) or "tf32" (one-pass TF32 plans may serve it) for float32; "" for half dtypes,
+    which refuse any TF32 precision. A plan stored for "tf32" never serves "tf32x3"."""
+    if dtype != "float32":
+        if precision is not None:
+            raise AttentionInputError(
+                f"precision={precision!r} applies to float32 inputs only, not {dtype}; "
+                "leave it unset"
+            )
+        return ""
+    if precision is None:
+        return DEFAULT_FLOAT32_PRECISION
+    if precision not in FLOAT32_PRECISIONS:
+        raise AttentionInputError(
+            f"precision must be one of {', '.join(FLOAT32_PRECISIONS)}, got {precision!r}"
+        )
+    return str(precision)
 
 
 # ---------------------------------------------------------------------------- pointer facts

@@ -46,6 +46,7 @@ from kernels.attention_args import (
     AttentionInputTypeError,
     check_causal,
     check_inputs,
+    check_precision,
     interface_device,
     problem_of,
     torch_pointers,
@@ -111,41 +112,60 @@ class Attention:
         self._torch_handles: dict[tuple[Any, ...], AttentionHandle] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, q: Any, k: Any, v: Any, causal: bool = False, *, out: Any = None) -> Any:
+    def __call__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        causal: bool = False,
+        *,
+        out: Any = None,
+        precision: str | None = None,
+    ) -> Any:
         torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
         if torch is not None and torch.compiler.is_compiling():
             # torch.compile traces this: the custom op stands for the call in the graph.
             from kernels import torch_op
 
             named = self.registry_url, self._registry, self.nearest
-            return torch_op.traced_call(*named, q, k, v, causal, out)
-        return self.call_eager(q, k, v, causal, out)
+            return torch_op.traced_call(*named, q, k, v, causal, out, precision)
+        return self.call_eager(q, k, v, causal, out, precision)
 
-    def call_eager(self, q: Any, k: Any, v: Any, causal: Any, out: Any) -> Any:
+    def call_eager(
+        self, q: Any, k: Any, v: Any, causal: Any, out: Any, precision: str | None = None
+    ) -> Any:
         """The call outside torch.compile's tracing (``__call__`` less that check)."""
         torch = sys.modules.get("torch")
         plain = torch is not None and type(q) is torch.Tensor and type(k) is type(q) is type(v)
-        if plain and (causal is True or causal is False):  # 1 == True: refused, not a key hit
-            handle = self._torch_handles.get(torch_signature(q, k, v, causal))
+        # 1 == True: refused, not a key hit; a precision other than None or a str goes to
+        # the checks too (which refuse it) rather than into a dict key.
+        if (
+            plain
+            and (causal is True or causal is False)
+            and (precision is None or type(precision) is str)
+        ):
+            handle = self._torch_handles.get(torch_signature(q, k, v, causal, precision))
             if handle is not None:
                 pointers = torch_pointers(
                     q, k, v, out, handle.tensor_bytes, torch, handle.kv_tensor_bytes
                 )
                 if pointers is not None:
                     return handle.run_torch(q, *pointers, out, torch)
-        return self._checked_call(q, k, v, causal, out)
+        return self._checked_call(q, k, v, causal, out, precision)
 
-    def _checked_call(self, q: Any, k: Any, v: Any, causal: Any, out: Any) -> Any:
+    def _checked_call(
+        self, q: Any, k: Any, v: Any, causal: Any, out: Any, precision: str | None
+    ) -> Any:
         """The first call of a signature, and any call the fast path declines: every check."""
         inputs = check_inputs(q, k, v, out)
         causal = check_causal(causal)
-        problem = problem_of(inputs, causal)
+        problem = problem_of(inputs, causal, check_precision(precision, inputs.q.dtype))
         if inputs.q.is_torch:
             torch = sys.modules["torch"]
             handle = self._runner(inputs.q.device or 0).handle(problem)
             plain = type(q) is torch.Tensor and type(k) is type(q) is type(v)
             if plain and type(causal) is bool:  # what the fast path looks up
-                self._torch_handles[torch_signature(q, k, v, causal)] = handle
+                self._torch_handles[torch_signature(q, k, v, causal, precision)] = handle
             pointers = (inputs.q.pointer, inputs.k.pointer, inputs.v.pointer)
             return handle.run_torch(q, *pointers, out, torch)
         device, facts = interface_device(inputs)
@@ -254,11 +274,15 @@ def attention(
     *,
     out: Any = None,
     nearest: bool = False,
+    precision: str | None = None,
 ) -> Any:
     """softmax(q k^T / sqrt(head_dim)) v with the tuned plan of this problem; see the module doc.
 
     Returns a new array of q's kind and dtype (a torch tensor, else a GPUArray), or ``out``
     filled. bfloat16 and float16 run the best plan stored for that dtype (tensor-core kernels).
+    float32 runs the plan stored for ``precision``: "tf32x3" (None means it: float32-class
+    error, SIMT or 3xTF32 plans) or "tf32" (one-pass TF32 plans too); a plan tuned under
+    "tf32" is never served to a "tf32x3" call.
     Under ``torch.compile``, ``registry`` must be None or a URL.
     """
     torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
@@ -267,10 +291,10 @@ def attention(
         from kernels import torch_op
 
         url = registry if isinstance(registry, str) else None
-        return torch_op.traced_call(url, registry, nearest, q, k, v, causal, out)
+        return torch_op.traced_call(url, registry, nearest, q, k, v, causal, out, precision)
     shared = registry is None or type(registry) is str
     found = _instances.get((registry, nearest)) if shared else None
     if found is None:
         found = default_instance(registry, nearest=nearest)
-    return found.call_eager(q, k, v, causal, out)
+    return found.call_eager(q, k, v, causal, out, precision)
 

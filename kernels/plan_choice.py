@@ -168,13 +168,14 @@ class PlanChooser:
         )
 
     def _of_dtype(self, problem: Problem, stored: StoredPlan) -> tuple[StoredPlan | None, str]:
-        """``stored`` if it was stored for ``problem``'s dtype; a plan is never served across
-        dtypes (the registry asks by dtype already: this guards against a handle that does not)."""
-        if stored.problem.dtype == problem.dtype:
+        """``stored`` if it was stored for ``problem``'s dtype and precision; a plan is never
+        served across them (the registry asks by both already: this guards against a handle
+        that does not; re-planning then refuses one-pass TF32 for a tf32x3 problem too)."""
+        if (stored.problem.dtype, stored.problem.precision) == (problem.dtype, problem.precision):
             return stored, ""
         return None, (
             f"registry {self._label} answered {problem.label()} with a plan stored for "
-            f"{stored.problem.dtype}; not used"
+            f"{stored.problem.dtype_label}; not used"
         )
 
     def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:

@@ -39,10 +39,11 @@ def attention_op(
     causal: bool,
     registry: str | None,
     nearest: bool,
+    precision: str | None = None,
 ) -> torch.Tensor:
     from kernels.deploy import default_instance
 
-    return default_instance(registry, nearest=nearest)(q, k, v, causal)
+    return default_instance(registry, nearest=nearest)(q, k, v, causal, precision=precision)
 
 
 @attention_op.register_fake
@@ -53,6 +54,7 @@ def _attention_fake(
     causal: bool,
     registry: str | None,
     nearest: bool,
+    precision: str | None = None,
 ) -> torch.Tensor:
     check_traced(q, k, v)
     return torch.empty_like(q)
@@ -69,10 +71,11 @@ def attention_into_op(
     causal: bool,
     registry: str | None,
     nearest: bool,
+    precision: str | None = None,
 ) -> None:
     from kernels.deploy import default_instance
 
-    default_instance(registry, nearest=nearest)(q, k, v, causal, out=out)
+    default_instance(registry, nearest=nearest)(q, k, v, causal, out=out, precision=precision)
 
 
 @attention_into_op.register_fake
@@ -84,6 +87,7 @@ def _attention_into_fake(
     causal: bool,
     registry: str | None,
     nearest: bool,
+    precision: str | None = None,
 ) -> None:
     check_traced(q, k, v, out)
 
@@ -97,6 +101,7 @@ def traced_call(
     v: Any,
     causal: Any,
     out: Any,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """The call while torch.compile traces: the op in its place. ``registry``: what the caller
     named (a URL, None, or an open handle, which an op cannot take)."""
@@ -107,7 +112,9 @@ def traced_call(
         )
     if not isinstance(causal, bool):
         raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
+    if precision is not None and not isinstance(precision, str):
+        raise AttentionInputTypeError(f"precision must be a str or None, got {precision!r}")
     if out is None:
-        return attention_op(q, k, v, causal, registry_url, nearest)
-    attention_into_op(q, k, v, out, causal, registry_url, nearest)
+        return attention_op(q, k, v, causal, registry_url, nearest, precision)
+    attention_into_op(q, k, v, out, causal, registry_url, nearest, precision)
     return out

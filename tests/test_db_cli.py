@@ -12,6 +12,7 @@ import pytest
 
 from db import PlanRecord, PlanRegistry
 from db.cli import main
+from db.schema import HEAD_REVISION
 from tuner.environment import Environment
 from tuner.problem import Problem
 
@@ -143,7 +144,7 @@ def test_upgrade_migrates_the_frozen_0001_file(tmp_path: Path) -> None:
     refused = run_cli("list", "--url", url, cwd=tmp_path)
     assert f"python -m db upgrade --url {url}" in assert_one_line_error(refused)
     upgraded = run_cli("upgrade", "--url", url, "--json", cwd=tmp_path)
-    assert json.loads(upgraded.stdout) == {"url": url, "from": "0001", "to": "0004"}
+    assert json.loads(upgraded.stdout) == {"url": url, "from": "0001", "to": HEAD_REVISION}
     assert run_cli("list", "--url", url, cwd=tmp_path).returncode == 0
 
 

@@ -17,7 +17,7 @@ from tuner.dry_run import print_plan_space, rank_by_prediction
 from tuner.planner.space import CandidateSpace, candidate_space
 from tuner.problem import Problem
 
-TABLE_ROW = re.compile(r"^\s+\d+\s+(scalar_online|tiled)/\S+\s+\d+x\d+x\d+\s")
+TABLE_ROW = re.compile(r"^\s+\d+\s+[a-z0-9_]+/\S+\s+\d+x\d+x\d+\s")
 
 
 def run_plan(workdir: Path, *arguments: str) -> subprocess.CompletedProcess[str]:

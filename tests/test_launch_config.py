@@ -28,6 +28,7 @@ from kernels.reference import scale_log2
 from tuner.device import H200
 from tuner.planner.families.decode_f16 import decode_f16_shared_bytes
 from tuner.planner.families.mma_f16 import mma_f16_shared_bytes
+from tuner.planner.families.mma_tf32 import mma_tf32_shared_bytes
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import (
     KernelParams,
@@ -110,8 +111,9 @@ def check_launch(plan: KernelPlan) -> None:
         )
         assert (main.args[6], main.args[7], main.args[8]) == (p.seq_len, p.kv_len, p.group)
         assert main.args[9] == plan.keys_per_sequence_split
-    elif plan.family == "mma_f16":
-        assert main.shared_bytes == mma_f16_shared_bytes(
+    elif plan.family in ("mma_f16", "mma_tf32"):
+        shared_bytes = mma_f16_shared_bytes if plan.family == "mma_f16" else mma_tf32_shared_bytes
+        assert main.shared_bytes == shared_bytes(
             plan.params.block_m, plan.params.block_n, plan.params.stages, p.head_dim
         )
         row_blocks = -(-p.seq_len // plan.params.block_m)

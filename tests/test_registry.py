@@ -404,8 +404,8 @@ def test_frozen_0001_database_is_refused_then_upgraded(tmp_path: Path) -> None:
             PlanRegistry.open(url, readonly=readonly)
         assert f"python -m db upgrade --url {url}" in one_line(caught.value)
 
-    assert upgrade_registry(url) == ("0001", "0004")
-    assert upgrade_registry(url) == ("0004", "0004")  # idempotent
+    assert upgrade_registry(url) == ("0001", registry_schema.HEAD_REVISION)
+    assert upgrade_registry(url) == (registry_schema.HEAD_REVISION,) * 2  # idempotent
 
     with PlanRegistry.open(url) as registry:
         h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
@@ -571,7 +571,7 @@ def test_a_0002_database_with_a_row_upgrades_to_0003_and_reads_as_float32(tmp_pa
     connection.commit()
     connection.close()
 
-    assert upgrade_registry(url) == ("0002", "0004")
+    assert upgrade_registry(url) == ("0002", registry_schema.HEAD_REVISION)
     h200_0001 = Environment("NVIDIA H200", "9.0", 132, "570.86", "12.8", "12.8.61", "")
     with PlanRegistry.open(url, readonly=True) as registry:
         best = registry.best(Problem(4096, 128, dtype="float32"), h200_0001)
@@ -582,7 +582,7 @@ def test_a_0002_database_with_a_row_upgrades_to_0003_and_reads_as_float32(tmp_pa
     connection.close()
 
 
-def test_a_0003_database_with_a_row_upgrades_to_0004_as_self_attention(tmp_path: Path) -> None:
+def test_a_0003_database_with_a_row_upgrades_to_the_head_as_self_attention(tmp_path: Path) -> None:
     """A registry at 0003 holding a plan upgrades; its problem reads kv_heads = heads and
     kv_len = seq_len, the plan is served for the same self-attention problem, and GQA and
     KV-cache problems of the same shape are new rows beside it."""
@@ -607,7 +607,7 @@ def test_a_0003_database_with_a_row_upgrades_to_0004_as_self_attention(tmp_path:
     connection.close()
     assert rows_before
 
-    assert upgrade_registry(url) == ("0003", "0004")
+    assert upgrade_registry(url) == ("0003", registry_schema.HEAD_REVISION)
     connection = sqlite3.connect(path)
     after = connection.execute("SELECT id, kv_heads, kv_len FROM problems").fetchall()
     connection.close()

@@ -30,6 +30,7 @@ from test_registry_concurrency import check_every_plan_and_the_true_best, run_wr
 from db import PlanRegistry, RecordOutcome, RecordStatus, storage, upgrade_registry, writes
 from db import registry as registry_module
 from db.models import Base
+from db.schema import HEAD_REVISION
 from tuner.errors import RegistryError
 
 pytestmark = pytest.mark.postgres
@@ -77,7 +78,7 @@ def test_migrations_build_exactly_the_models(fresh_postgres_url: str) -> None:
     with pytest.raises(RegistryError, match="is empty"):
         PlanRegistry.open(fresh_postgres_url, readonly=True)  # a reader creates nothing
     PlanRegistry.open(fresh_postgres_url).close()
-    assert upgrade_registry(fresh_postgres_url) == ("0004", "0004")
+    assert upgrade_registry(fresh_postgres_url) == (HEAD_REVISION, HEAD_REVISION)
     engine = create_engine(fresh_postgres_url)
     try:
         with engine.connect() as connection:

@@ -24,7 +24,7 @@ from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.problem import SUPPORTED_DTYPES, Problem
+from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 
 @dataclass
@@ -128,6 +128,9 @@ class TunerConfig:
     kv_heads: Any = None
     #: key/value length (decode against a KV cache); null: seq_len
     kv_len: Any = None
+    #: float32 only: "tf32x3" (null means it: float32-class error) or "tf32" (one-pass
+    #: TF32 tensor-core plans allowed too); null for bfloat16/float16
+    precision: Any = None
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -275,7 +278,9 @@ def _axes() -> Rule:
 
 
 _BOOL = Rule("true or false", lambda v: isinstance(v, bool))
-_SHAPE_KEYS = ("seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len")
+_SHAPE_KEYS = (
+    "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision"
+)
 _AXIS_KEYS = (
     "families",
     "tile_sizes",
@@ -296,6 +301,10 @@ RULES: dict[str, Rule] = {
     "dtype": _one_of(SUPPORTED_DTYPES),
     "kv_heads": _optional_int_in(1, U32_MAX, "null (= heads)"),
     "kv_len": _optional_int_in(1, U32_MAX, "null (= seq_len)"),
+    "precision": Rule(
+        f"one of {', '.join(FLOAT32_PRECISIONS)} or null (float32 only)",
+        lambda v: v is None or (isinstance(v, str) and v in FLOAT32_PRECISIONS),
+    ),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -489,6 +498,11 @@ def problem_from(config: TunerConfig) -> Problem:
     """The attention problem of ``config``; ``ConfigError`` names a bad shape value."""
     for key in _SHAPE_KEYS:
         _check(key, getattr(config, key))
+    if config.precision is not None and config.dtype != "float32":
+        raise ConfigError(
+            f"precision={config.precision} is invalid: it applies to dtype=float32 only, "
+            f"and {config.dtype} has no TF32 variants (leave precision unset)"
+        )
     elements = config.batch * config.heads * config.seq_len * config.head_dim
     if elements > U32_MAX:
         raise ConfigError(
@@ -525,6 +539,7 @@ def problem_from(config: TunerConfig) -> Problem:
         dtype=config.dtype,
         kv_heads=kv_heads,
         kv_len=kv_len,
+        precision=config.precision or "",
     )
 
 

@@ -15,7 +15,8 @@ taken against the whole device:
   pessimistic for small ``rows_per_block``; that is the direction we want.
 * compute: executed matmul flops (padded to whole tiles and blocks) at the
   rate of the pipe the family runs them on (``matmul_rate``: FP32 FFMA at
-  ``peak_fp32_tflops``, bf16/fp16 ``mma.sync`` at ``peak_mma_f16_tflops``),
+  ``peak_fp32_tflops``, bf16/fp16 ``mma.sync`` at ``peak_mma_f16_tflops``,
+  TF32 ``mma.sync`` at half that), times the family's ``matmul_passes``,
   plus the other instructions: one-op instructions (max, add, compare, and
     every shared-memory load and store) at half the flop rate (one op per lane-
   instruction, an FFMA counts two flops), and
@@ -64,6 +65,10 @@ F32_BYTES = 4
 #: host-side cost of one kernel launch on the critical path (CUDA driver
 #: launch latency is about 3-5 us for back-to-back launches).
 LAUNCH_OVERHEAD_MS = 0.004
+#: TF32 mma.sync over bf16/fp16 mma.sync, per flop: an m16n8k8 TF32 instruction
+#: takes as long as an m16n8k16 half one with half the flops (sm_80/sm_90 tensor
+#: cores: dense TF32 is half the dense FP16 rate, the datasheets' 495 vs 990 TFLOP/s).
+TF32_RATE_OF_F16 = 0.5
 #: FP32 lanes per SM over SFU (exp2, rcp) lanes per SM on sm_90: 128 / 16.
 SFU_SLOWDOWN = 8.0
 #: cycles of latency a warp scheduler must cover with independent instructions
@@ -160,6 +165,8 @@ def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:
         return device.peak_fp32_tflops * 1e12
     if pipe == "mma_sync_f16":
         return device.peak_mma_f16_tflops * 1e12
+    if pipe == "mma_sync_tf32":
+        return TF32_RATE_OF_F16 * device.peak_mma_f16_tflops * 1e12
     raise ValueError(f"unknown matmul pipe {pipe!r}")
 
 
@@ -170,7 +177,7 @@ def _compute_ms(plan: KernelPlan, terms: CostTerms, device: DeviceProfile) -> fl
     # An FFMA is 2 flops per lane-instruction; everything else is 1 op per instruction.
     instruction_rate = peak / 2
     return (
-        _ms(executed_flops, matmul_rate(terms.matmul_pipe, device))
+        _ms(executed_flops * terms.matmul_passes, matmul_rate(terms.matmul_pipe, device))
         + _ms(other_ops, instruction_rate)
         + _ms(terms.exps, instruction_rate / SFU_SLOWDOWN)
     )

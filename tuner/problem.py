@@ -7,6 +7,12 @@ from dataclasses import dataclass
 #: element types of q, k, v and out; the half types are 2-byte elements
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: how float32 inputs may be multiplied: "tf32x3" (the default, float32-class
+#: error: SIMT FFMA or the 3xTF32 split on tensor cores) or "tf32" (one TF32
+#: pass allowed too: 10-bit significands, faster). Most precise first.
+FLOAT32_PRECISIONS = ("tf32x3", "tf32")
+#: the precision a float32 problem gets when none is asked for
+DEFAULT_FLOAT32_PRECISION = "tf32x3"
 
 
 def shape_error(
@@ -46,6 +52,12 @@ class Problem:
     aligned (see ``shape_error``). ``dtype`` defaults to float32 here (the seed's
     type; the Hydra entry's default is bfloat16), so code that builds problems
     by hand keeps its meaning.
+
+    ``precision`` is the least precise arithmetic a plan may use: for float32
+    one of ``FLOAT32_PRECISIONS`` ("" means the accurate default, "tf32x3");
+    for the half dtypes it does not apply and is "". The accurate precision is
+    left out of labels and names, so every problem from before the field
+    existed keeps its label, study name and registry row.
     """
 
     seq_len: int
@@ -56,6 +68,7 @@ class Problem:
     dtype: str = "float32"
     kv_heads: int = None  # type: ignore[assignment]  # None: heads
     kv_len: int = None  # type: ignore[assignment]  # None: seq_len
+    precision: str = ""
 
     def __post_init__(self) -> None:
         reason = shape_error(self.seq_len, self.heads, self.causal, self.kv_heads, self.kv_len)
@@ -65,6 +78,22 @@ class Problem:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.kv_len is None:
             object.__setattr__(self, "kv_len", self.seq_len)
+        if self.dtype == "float32":
+            if not self.precision:
+                object.__setattr__(self, "precision", DEFAULT_FLOAT32_PRECISION)
+            elif self.precision not in FLOAT32_PRECISIONS:
+                raise ValueError(
+                    f"precision={self.precision!r} is not one of {', '.join(FLOAT32_PRECISIONS)}"
+                )
+        elif self.precision:
+            raise ValueError(
+                f"precision={self.precision!r} applies to float32 only, not {self.dtype}"
+            )
+
+    @property
+    def fast_tf32(self) -> bool:
+        """One-pass TF32 plans may serve this problem (``precision="tf32"``)."""
+        return self.precision == "tf32"
 
     @property
     def batch_heads(self) -> int:
@@ -141,4 +170,10 @@ class Problem:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"{self.shape_text()} {self.dtype} {mask}"
+        return f"{self.shape_text()} {self.dtype_label} {mask}"
+
+    @property
+    def dtype_label(self) -> str:
+        """``dtype``, with ``-tf32`` for the fast float32 precision (the accurate one is
+        the default and shows nothing, so existing labels and names are unchanged)."""
+        return f"{self.dtype}-tf32" if self.fast_tf32 else self.dtype

@@ -41,7 +41,7 @@ def study_name(
     *,
     sampler: str = "tpe",
 ) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
     ``<seq_len>kv<kv_len>``; self-attention names are what they always were.
@@ -57,7 +57,7 @@ def study_name(
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
-    name = f"{shape}-{problem.dtype}-{mask}@{gpu}-{digest}-{sampler}"
+    name = f"{shape}-{problem.dtype_label}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
 
 

@@ -63,6 +63,7 @@ for _module in (
     "tiled",
     "mma_f16",
     "decode_f16",
+    "mma_tf32",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)
 

@@ -31,9 +31,10 @@ from tuner.planner.plan import KernelPlan
 from tuner.problem import Problem
 
 #: the pipes a family's matmul flops can run on; the cost model knows each one's rate
-#: (``tuner.costmodel.matmul_rate``): FP32 FFMA on the SIMT lanes, or dense
-#: bf16/fp16 ``mma.sync`` with fp32 accumulate on the tensor cores.
-MatmulPipe = Literal["ffma", "mma_sync_f16"]
+#: (``tuner.costmodel.matmul_rate``): FP32 FFMA on the SIMT lanes, dense
+#: bf16/fp16 ``mma.sync`` with fp32 accumulate on the tensor cores, or TF32
+#: ``mma.sync`` (m16n8k8, fp32 accumulate) on them.
+MatmulPipe = Literal["ffma", "mma_sync_f16", "mma_sync_tf32"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,8 @@ class CostTerms:
     non-matmul flops (``KernelPlan.non_matmul_flops - exps``) and
     ``shared_lane_ops`` issue at one op per lane-instruction.
     ``shared_bytes``: bytes through the shared-memory banks. ``ilp``:
-    independent instructions per warp that hide latency.
+    independent instructions per warp that hide latency. ``matmul_passes``:
+    products the pipe executes per useful one (3 for the 3xTF32 split).
     """
 
     matmul_pipe: MatmulPipe
@@ -72,6 +74,7 @@ class CostTerms:
     shared_bytes: int
     shared_lane_ops: int
     ilp: int
+    matmul_passes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
