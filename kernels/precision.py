@@ -155,17 +155,18 @@ def _sdpa_rows_error(
     for causal), so a 32768-key check costs the sampled rows, not the whole head."""
     if not expected.size:
         return 0.0
-    keys = np.arange(problem.seq_len)
+    keys = np.arange(problem.kv_len)
+    kv_heads = heads // problem.group  # the KV head each sampled query head reads
     mask = None
-    if problem.causal:
-        mask = torch.from_numpy(keys[None, :] <= rows[:, None])
+    if problem.causal:  # bottom-right aligned, as the kernels
+        mask = torch.from_numpy(keys[None, :] <= rows[:, None] + problem.causal_offset)
 
     def tensor(values: np.ndarray) -> Any:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(
-            tensor(q[heads][:, rows]), tensor(k[heads]), tensor(v[heads]), attn_mask=mask
+            tensor(q[heads][:, rows]), tensor(k[kv_heads]), tensor(v[kv_heads]), attn_mask=mask
         )
     return float(np.abs(out.to(torch.float64).numpy() - expected).max())
 
@@ -192,16 +193,19 @@ def tf32_emulation_error(
     if not expected.size:
         return 0.0
     worst = 0.0
-    keys = np.arange(problem.seq_len)
+    keys = np.arange(problem.kv_len)
     for index, head in enumerate(heads):
+        kv_head = head // problem.group  # grouped-query attention
         q_rows = round_to_tf32(q[head][rows]).astype(np.float64)
-        k_head = round_to_tf32(k[head]).astype(np.float64)
+        k_head = round_to_tf32(k[kv_head]).astype(np.float64)
         scores = q_rows @ k_head.T / math.sqrt(problem.head_dim)
-        if problem.causal:
-            scores = np.where(keys[None, :] <= rows[:, None], scores, -np.inf)
+        if problem.causal:  # bottom-right aligned, as the kernels
+            visible = keys[None, :] <= rows[:, None] + problem.causal_offset
+            scores = np.where(visible, scores, -np.inf)
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         p_tf32 = round_to_tf32(p.astype(np.float32)).astype(np.float64)
-        out = (p_tf32 @ round_to_tf32(v[head]).astype(np.float64)) / p.sum(axis=-1)[:, None]
+        v_head = round_to_tf32(v[kv_head]).astype(np.float64)
+        out = (p_tf32 @ v_head) / p.sum(axis=-1)[:, None]
         worst = max(worst, float(np.abs(out - expected[index]).max()))
     return worst
 

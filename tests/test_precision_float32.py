@@ -158,3 +158,34 @@ def test_tf32_emulation_errs_about_a_thousand_times_more_than_float32() -> None:
     causal = Problem(300, 64, heads=2, causal=True, precision="tf32")
     expected_causal = reference_rows(q, k, v, True, heads, rows)
     assert 0 < tf32_emulation_error(causal, q, k, v, expected_causal, heads, rows) < 1e-2
+
+
+def _gqa_kv_cache_case() -> tuple[Problem, tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+    """4 query heads on 2 KV heads, 40 query rows against 97 keys, bottom-right causal."""
+    problem = Problem(40, 32, heads=4, causal=True, kv_heads=2, kv_len=97, precision="tf32")
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((4, 40, 32), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 97, 32), dtype=np.float32) for _ in range(2))
+    return problem, (q, k, v), np.arange(4), np.array([0, 1, 17, 39])
+
+
+def test_tf32_emulation_follows_grouped_heads_and_bottom_right_causal() -> None:
+    """Query head h reads KV head h // group, row r sees keys <= r + kv_len - seq_len: the
+    emulation's error against the float64 reference of that problem is TF32-sized, while
+    against the reference of K/V read by the wrong head (or top-left masking) it is O(1)."""
+    problem, (q, k, v), heads, rows = _gqa_kv_cache_case()
+    expected = reference_rows(q, k, v, True, heads, rows, group=2)
+    assert 1e-6 < tf32_emulation_error(problem, q, k, v, expected, heads, rows) < 1e-2
+    wrong_heads = reference_rows(q, k[::-1].copy(), v[::-1].copy(), True, heads, rows, group=2)
+    assert tf32_emulation_error(problem, q, k, v, wrong_heads, heads, rows) > 0.05
+
+
+def test_torch_float32_error_follows_grouped_heads_and_bottom_right_causal() -> None:
+    torch = pytest.importorskip("torch")
+    from kernels.precision import sdpa_error
+
+    problem, (q, k, v), heads, rows = _gqa_kv_cache_case()
+    accurate = Problem(40, 32, heads=4, causal=True, kv_heads=2, kv_len=97)
+    expected = reference_rows(q, k, v, True, heads, rows, group=2)
+    assert torch is not None
+    assert sdpa_error(accurate, q, k, v, expected, heads, rows) < 1e-5
