@@ -1124,3 +1124,31 @@ def test_a_read_only_registry_url_serves_its_plans(gpu, tmp_path, caplog) -> Non
     chosen = attend.plan_for(SMALL)
     assert chosen.origin == "registry" and chosen.plan.params == KernelParams("tiled", **SPLIT)
     assert attend._registry.readonly and warnings_of(caplog) == []
+
+
+def test_each_float32_precision_gets_a_handle_of_its_own(gpu, registry, monkeypatch) -> None:
+    """precision=None and "tf32x3" are the accurate problem (one handle); "tf32" is another
+    problem with a handle of its own, on the checked path and on the fast path's signature;
+    a precision a dtype does not take is refused before any launch."""
+    monkeypatch.setitem(sys.modules, "torch", torch_on_fake_gpu(gpu))
+    attend = ka.Attention(registry)
+    _, (q, k, v, _) = fake_tensors(gpu, SMALL)
+    accurate = attend.handle(SMALL)
+    fast = attend.handle(
+        Problem(200, 32, batch=1, heads=2, causal=True, precision="tf32")
+    )
+    assert accurate is not fast
+    assert (accurate.problem.precision, fast.problem.precision) == ("tf32x3", "tf32")
+    accurate_params = accurate.chosen.plan.params
+    assert accurate_params.family != "mma_tf32" or accurate_params.passes == 3  # never one pass
+    for precision, handle in ((None, accurate), ("tf32x3", accurate), ("tf32", fast)):
+        signature = attention_args.torch_signature(q, k, v, True, precision)
+        for _ in range(2):  # the first call resolves, the second takes the fast path
+            calls = len(gpu.log)
+            attend(q, k, v, True, precision=precision)
+            assert len(gpu.log) > calls
+        assert attend._torch_handles[signature] is handle
+    with pytest.raises(attention_args.AttentionInputError, match="precision must be one of"):
+        attend(q, k, v, True, precision="fp64")
+    with pytest.raises(attention_args.AttentionInputError, match="precision must be one of"):
+        attend(q, k, v, True, precision=["tf32"])  # not a str: the checks, not a dict key
