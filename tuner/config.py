@@ -166,7 +166,7 @@ register_configs()
 # (a typed field given text), so a key's error reads the same whichever layer catches it.
 
 MODES = ("tune", "plan")
-SAMPLERS = ("tpe", "random", "grid")
+SAMPLERS = ("model", "tpe", "random", "grid")
 BACKENDS = ("auto", "pycuda", "model", "replay")
 SECTIONS: dict[str, type] = {
     "search": SearchConfig,

@@ -73,6 +73,10 @@ class CostTerms:
     ``shared_bytes``: bytes through the shared-memory banks. ``ilp``:
     independent instructions per warp that hide latency. ``matmul_passes``:
     products the pipe executes per useful one (3 for the 3xTF32 split).
+    ``bytes_in_flight``: global-memory bytes one block keeps requested ahead of
+    its use (a ``cp.async`` ring's prefetched stages, or the tile a block loads
+    before its barrier): by Little's law, blocks x these bytes over the DRAM
+    latency bound the bandwidth a launch can draw. 0: not modelled (no limit).
     """
 
     matmul_pipe: MatmulPipe
@@ -82,6 +86,7 @@ class CostTerms:
     shared_lane_ops: int
     ilp: int
     matmul_passes: int = 1
+    bytes_in_flight: int = 0
 
 
 @dataclass(frozen=True, slots=True)

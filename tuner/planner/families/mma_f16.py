@@ -252,6 +252,8 @@ class MmaF16(KernelFamily):
             # causal, 1x16x1000x128, 1x32x8192x128); with both, 0.55/0.71/0.74/0.31
             # (bench/costmodel_mma_f16.py on bench/results/mma_probe_2026-12-03).
             ilp=m_tiles // params.s_groups * (block_n // 8) + d // 8,
+            # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            bytes_in_flight=(params.stages - 1) * 2 * block_n * d * p.element_bytes,
         )
 
 

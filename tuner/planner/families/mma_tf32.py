@@ -257,6 +257,8 @@ class MmaTf32(KernelFamily):
             shared_lane_ops=per_block_ops * block_tiles * bh,
             ilp=m_tiles * (block_n // 8 + d // 8),
             matmul_passes=passes,
+            # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            bytes_in_flight=(params.stages - 1) * 2 * block_n * d * F32_BYTES,
         )
 
 
