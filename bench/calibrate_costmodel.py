@@ -41,11 +41,14 @@ from tuner.device import H200
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def recorded_grids(paths: Sequence[Path]) -> list[tuple[Grid, dict[str, Any]]]:
-    """A grid per measured problem (its recordings in several files merged), with sources."""
+def recorded_grids(
+    paths: Sequence[Path], cubins: str | None = None
+) -> list[tuple[Grid, dict[str, Any]]]:
+    """A grid per measured problem (its recordings in several files merged), with sources.
+    ``cubins``: judge the plans with the compiler's register report (as a GPU run does)."""
     grids = []
     for places in search_efficiency.problems_by_shape(paths).values():
-        setup = search_efficiency.setup_problem(*places[0], also=places[1:])
+        setup = search_efficiency.setup_problem(*places[0], cubins, also=places[1:])
         by_key = {plan.key(): plan for plan in setup.feasible}
         timed = [(by_key[key], ms) for key, ms in sorted(setup.times.items())]
         label = setup.recording.problem.label()
@@ -56,7 +59,7 @@ def recorded_grids(paths: Sequence[Path]) -> list[tuple[Grid, dict[str, Any]]]:
             "families": sorted({plan.family for plan, _ in timed}),
             "recorded": setup.recording.date,
         }
-        grids.append((Grid.of(label, timed), source))
+        grids.append((Grid.of(label, timed, H200), source))
     return grids
 
 
@@ -70,7 +73,7 @@ def probe_grids(paths: Sequence[Path]) -> list[tuple[Grid, dict[str, Any]]]:
             label = f"{shape} (probe {path.stem})"
             timed = [(plan, ms) for ms, plan in rows]
             source = {"files": [_relative(path)], "problem": label, "plans": len(timed)}
-            grids.append((Grid.of(label, timed), source))
+            grids.append((Grid.of(label, timed, H200), source))
     return grids
 
 
@@ -105,12 +108,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, nargs="+", help="default: bench/data/*.json")
     parser.add_argument("--probe", type=Path, nargs="*", default=[], help="mma_probe.py JSON")
     parser.add_argument("--iterations", type=int, default=600)
+    parser.add_argument(
+        "--cubins",
+        metavar="DIR",
+        help="cubin cache: occupancy from the compiler's register report (nvcc compiles "
+        "what it lacks); default: the families' register estimates, as a replay run",
+    )
     parser.add_argument("--write", type=Path, help="write the constants fitted on every grid")
     parser.add_argument("--table", type=Path, help="write the held-out table (markdown)")
     args = parser.parse_args(argv)
     began = time.monotonic()
     paths = args.data or sorted((ROOT / "bench" / "data").glob("*.json"))
-    loaded = recorded_grids(paths) + probe_grids(args.probe)
+    loaded = recorded_grids(paths, args.cubins) + probe_grids(args.probe)
     grids = [grid for grid, _ in loaded]
     device = H200
 

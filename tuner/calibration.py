@@ -77,7 +77,9 @@ class Grid:
     measured_ms: np.ndarray
 
     @classmethod
-    def of(cls, label: str, timed: Sequence[tuple[KernelPlan, float]]) -> Grid:
+    def of(
+        cls, label: str, timed: Sequence[tuple[KernelPlan, float]], device: DeviceProfile
+    ) -> Grid:
         if not timed:
             raise ValueError(f"grid {label} has no timed plan")
         plans = [plan for plan, _ in timed]
@@ -85,7 +87,7 @@ class Grid:
             label=label,
             keys=tuple(plan.key() for plan in plans),
             families=tuple(plan.family for plan in plans),
-            table=feature_table(plans),
+            table=feature_table(plans, device),
             measured_ms=np.array([ms for _, ms in timed], dtype=float),
         )
 

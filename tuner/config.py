@@ -29,8 +29,9 @@ from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 @dataclass
 class SearchConfig:
-    #: "tpe" (default), "random" or "grid"
-    sampler: str = "tpe"
+    #: "model" (default: the cost model's ranking corrected by the measurements),
+    #: "tpe", "random" or "grid"
+    sampler: str = "model"
     #: trials to finish in this study (a resumed study counts the finished ones)
     n_trials: int = 40
     #: wall-clock limit of the whole search in seconds; null for none
@@ -40,7 +41,8 @@ class SearchConfig:
     storage: str | None = None
     #: null: derived from the problem and the environment
     study_name: str | None = None
-    #: the cost model's best predictions measured first
+    #: the cost model's best predictions measured first (the model sampler takes
+    #: only the first: it ranks by the model itself)
     enqueue_top: int = 8
     #: skip plans whose predicted traffic exceeds this multiple of the best candidate's
     traffic_cutoff: float = 16.0

@@ -61,7 +61,7 @@ import numpy as np
 
 from tuner.device import DeviceProfile
 from tuner.planner.families import CostTerms, MatmulPipe
-from tuner.planner.plan import KernelPlan
+from tuner.planner.plan import KernelPlan, blocks_per_sm_of
 
 #: split scratch (partials) is float32 whatever the problem's dtype
 F32_BYTES = 4
@@ -187,8 +187,8 @@ FEATURES = (
 )
 
 
-def plan_features(plan: KernelPlan) -> tuple[float, ...]:
-    """``FEATURES`` of one plan (``terms``: its family's ``CostTerms``)."""
+def plan_features(plan: KernelPlan, device: DeviceProfile) -> tuple[float, ...]:
+    """``FEATURES`` of one plan."""
     terms = plan.kernel_family.cost_terms(plan)
     problem = plan.problem
     partial_bytes = F32_BYTES * plan.partial_elements
@@ -213,16 +213,27 @@ def plan_features(plan: KernelPlan) -> tuple[float, ...]:
         float(terms.exps),
         float(terms.shared_bytes),
         float(plan.launch.blocks),
-        float(plan.blocks_per_sm),
+        float(resident_blocks(plan, terms, device)),
         float(plan.threads / 32),
         float(terms.ilp),
         float(terms.bytes_in_flight),
     )
 
 
-def feature_table(plans: Sequence[KernelPlan]) -> dict[str, np.ndarray]:
+def resident_blocks(plan: KernelPlan, terms: CostTerms, device: DeviceProfile) -> int:
+    """Blocks an SM holds: the plan's figure, which counts registers once the compiler has
+    reported them (``KernelPlan.with_resources``); before that, the family's estimate
+    of its registers (``CostTerms.registers``) bounds it too."""
+    if plan.resources is not None or not terms.registers:
+        return plan.blocks_per_sm
+    by_registers = blocks_per_sm_of(plan.threads, plan.launch.shared_bytes, terms.registers, device)
+    return min(plan.blocks_per_sm, max(by_registers, 1 if plan.blocks_per_sm else 0))
+
+
+def feature_table(plans: Sequence[KernelPlan], device: DeviceProfile) -> dict[str, np.ndarray]:
     """``FEATURES`` of many plans, one numpy column each."""
-    rows = np.array([plan_features(plan) for plan in plans], dtype=float).reshape(-1, len(FEATURES))
+    rows = np.array([plan_features(plan, device) for plan in plans], dtype=float)
+    rows = rows.reshape(-1, len(FEATURES))
     return {name: rows[:, i] for i, name in enumerate(FEATURES)}
 
 
@@ -366,7 +377,7 @@ def predict(
     params = params or calibrated()
     times = {
         name: float(value[0])
-        for name, value in model_times(feature_table([plan]), device, params).items()
+        for name, value in model_times(feature_table([plan], device), device, params).items()
     }
     terms = plan.kernel_family.cost_terms(plan)
     bounds = {
@@ -408,7 +419,7 @@ def predict_many(
     """Predicted times of many plans in one vectorised pass (the search's ranking)."""
     if not plans:
         return []
-    times = model_times(feature_table(plans), device, params or calibrated())["time_ms"]
+    times = model_times(feature_table(plans, device), device, params or calibrated())["time_ms"]
     return [float(t) for t in times]
 
 

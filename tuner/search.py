@@ -120,6 +120,8 @@ def make_sampler(
     ``ranked``: the plans the ``model`` sampler may propose with their predicted ms
     (``allowed_plans``)."""
     if name == "model":
+        if space.encoding != encoding_for(name):
+            raise ConfigError("the model sampler proposes plan keys: give it a candidate space")
         if not ranked:
             ranked = [(plan, 1.0) for plan in space.feasible]
         return ModelSampler([p for p, _ in ranked], [ms for _, ms in ranked], seed=seed)

@@ -77,6 +77,9 @@ class CostTerms:
     its use (a ``cp.async`` ring's prefetched stages, or the tile a block loads
     before its barrier): by Little's law, blocks x these bytes over the DRAM
     latency bound the bandwidth a launch can draw. 0: not modelled (no limit).
+    ``registers``: an estimate of the registers a thread takes (what ``ptxas``
+    would report), for occupancy where the compiler's report is not at hand (a
+    replay, the model backend); 0: no estimate (shared memory and threads alone).
     """
 
     matmul_pipe: MatmulPipe
@@ -87,6 +90,7 @@ class CostTerms:
     ilp: int
     matmul_passes: int = 1
     bytes_in_flight: int = 0
+    registers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
