@@ -73,6 +73,8 @@ def test_only_pipes_the_grids_use_are_fitted(grids):
     names = fitted_constants(grids)
     assert "ffma_efficiency" in names
     assert "mma_f16_efficiency" not in names and "mma_tf32_efficiency" not in names
+    # tiled loads, waits at its barrier, then computes: only the synchronous overlap
+    assert "overlap_synchronous" in names and "overlap" not in names
     fitted = fit(grids[:1], H200, iterations=40)
     assert fitted.mma_f16_efficiency == START.mma_f16_efficiency
     for name in names:

@@ -10,8 +10,10 @@ prediction. ``rank_correlation`` against real timings says how far to trust it;
 A plan's time is its attention kernel, the split merge (a second, streaming
 launch: partials read and output written at DRAM bandwidth) and
 ``LAUNCH_OVERHEAD_MS`` per launch. The kernel has two sides, each the time of
-the busiest part of the device, combined by a p-norm (``overlap``: a large p
-is "the slower side alone", 1 is "they add up"):
+the busiest part of the device, combined by a p-norm (``overlap`` for kernels
+whose loads run ahead through a cp.async ring, ``overlap_synchronous`` for
+those that load, wait and compute: a large p is "the slower side alone", 1 is
+"they add up"):
 
 * memory: at full throughput, the larger of the compulsory bytes (Q, K and V
   once per KV head, the output or split partials written) over the sustained
@@ -105,8 +107,11 @@ class CostParams:
     latency_cycles: float = 48.0
     #: independent accumulators per thread beyond which more do not help
     max_ilp: float = 32.0
-    #: p of the p-norm that combines the memory and SM sides (large: max; 1: sum)
+    #: p of the p-norm that combines the memory and SM sides (large: max; 1: sum) for
+    #: pipelined kernels (``CostTerms.pipelined``: loads run ahead through a cp.async ring)
     overlap: float = 64.0
+    #: the same for kernels that load, wait at a barrier, then compute
+    overlap_synchronous: float = 64.0
 
     def efficiency_of(self, pipe: MatmulPipe) -> float:
         return (self.ffma_efficiency, self.mma_f16_efficiency, self.mma_tf32_efficiency)[
@@ -184,6 +189,7 @@ FEATURES = (
     "warps",  # per block
     "ilp",
     "bytes_in_flight",  # per block
+    "pipelined",  # 1: loads overlap the math (CostTerms.pipelined)
 )
 
 
@@ -217,6 +223,7 @@ def plan_features(plan: KernelPlan, device: DeviceProfile) -> tuple[float, ...]:
         float(plan.threads / 32),
         float(terms.ilp),
         float(terms.bytes_in_flight),
+        float(terms.pipelined),
     )
 
 
@@ -286,7 +293,7 @@ def model_times(
         sm_slowdown = _sm_slowdown(f, device, params)
         memory = memory_full * _memory_slowdown(f, device, params, dram_rate)
         sm_side = np.maximum(compute, shared) * sm_slowdown
-        p = params.overlap
+        p = np.where(f["pipelined"] > 0, params.overlap, params.overlap_synchronous)
         scale = np.maximum(memory, sm_side)
         kernel = scale * ((memory / scale) ** p + (sm_side / scale) ** p) ** (1 / p)
         kernel = np.where(f["resident"] > 0, kernel, np.inf)

@@ -272,6 +272,7 @@ class MmaF16(KernelFamily):
             # (bench/costmodel_mma_f16.py on bench/results/mma_probe_2026-12-03).
             ilp=m_tiles // params.s_groups * (block_n // 8) + d // 8,
             # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            pipelined=True,
             bytes_in_flight=(params.stages - 1) * 2 * block_n * d * p.element_bytes,
             registers=mma_f16_registers(
                 m_tiles, params.s_groups, block_n, d, bool(params.q_in_registers)

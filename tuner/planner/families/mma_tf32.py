@@ -262,6 +262,7 @@ class MmaTf32(KernelFamily):
             ilp=m_tiles * (block_n // 8 + d // 8),
             matmul_passes=passes,
             # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            pipelined=True,
             bytes_in_flight=(params.stages - 1) * 2 * block_n * d * F32_BYTES,
             registers=min(m_tiles * (d + block_n) // 2 + REGISTER_BASE[passes], 255),
         )
