@@ -220,3 +220,51 @@ def test_rank_correlation_matches_numpy_pearson_of_ranks(values: list[float]):
         assert math.isnan(rho)
     else:
         assert rho == pytest.approx(float(np.corrcoef(rx, ry)[0, 1]), abs=1e-9)
+
+
+# ---------------------------------------------------------------- occupancy and memory latency
+
+
+def test_a_family_register_estimate_bounds_occupancy_until_the_compiler_reports():
+    from tuner.costmodel import feature_table
+    from tuner.planner.families.mma_f16 import mma_f16_registers
+    from tuner.planner.plan import ResourceUsage
+
+    problem = Problem(4096, 128, batch=4, heads=16, dtype="bfloat16")
+    plan = plan_kernel(
+        problem,
+        KernelParams("mma_f16", block_m=64, block_n=32, warps=4, stages=2, split_target=2**16),
+        H200,
+    )
+    assert plan.feasible and plan.resources is None
+    estimate = mma_f16_registers(1, 1, 32, 128, False)
+    assert 150 <= estimate <= 170  # ptxas: 160 (nvcc 13.0, sm_90)
+    # 4 warps at ~160 registers: 3 blocks by registers, 4 by shared memory.
+    assert plan.blocks_per_sm == 4
+    assert feature_table([plan], H200)["resident"][0] == 3
+    # Once the compiler has spoken, its figure is the plan's and the estimate is ignored.
+    reported = plan.with_resources(ResourceUsage(registers=96), H200)
+    assert feature_table([reported], H200)["resident"][0] == reported.blocks_per_sm == 4
+
+
+def test_few_blocks_with_little_in_flight_are_latency_bound():
+    # Little's law: a launch of few blocks, each with a shallow ring, cannot draw the
+    # DRAM's bandwidth; deeper rings (more bytes in flight) shorten the memory side.
+    problem = Problem(1, 128, batch=1, heads=32, kv_heads=8, kv_len=32768, dtype="bfloat16")
+    params = CostParams(dram_latency_us=1.0, overlap=64.0)
+
+    def plan(stages: int) -> KernelPlan:
+        chosen = plan_kernel(
+            problem,
+            KernelParams("decode_f16", block_n=64, warps=4, stages=stages, m_tiles=1, splits=4),
+            H200,
+        )
+        assert chosen.feasible, chosen.reason
+        return chosen
+
+    shallow, deep = predict(plan(2), H200, params), predict(plan(6), H200, params)
+    assert shallow.dram_ms == pytest.approx(deep.dram_ms)  # the same bytes
+    assert shallow.kernel_ms > 2 * shallow.dram_ms  # 32 blocks of 32 KiB in flight: latency bound
+    assert deep.kernel_ms < shallow.kernel_ms
+    no_latency = predict(plan(2), H200, CostParams(dram_latency_us=0.0, overlap=64.0))
+    assert no_latency.kernel_ms < shallow.kernel_ms
