@@ -708,6 +708,8 @@ STYLES: dict[str, tuple[str, str, float, int]] = {
     "random": ("tab:red", "-", 1.6, 3),
     "tpe_no_model": ("tab:green", "-", 1.4, 2),
     "random_with_model": ("tab:orange", "--", 1.4, 5),
+    "model": ("tab:purple", "-", 1.4, 3),
+    "tpe": ("tab:brown", "-", 1.4, 2),
 }
 
 
@@ -718,8 +720,9 @@ def write_plot(report: Mapping[str, Any], path: Path) -> Path:
     def clean(values: list[float | None]) -> list[float]:
         return [math.nan if v is None else v for v in values]
 
-    problems = report["problems"]
-    columns = min(len(problems), 2) if len(problems) > 3 else len(problems)
+    # One panel per problem, over all its families (the per-family rows are in the table).
+    problems = [entry for entry in report["problems"] if entry["family"] == "all"]
+    columns = min(len(problems), 3) if len(problems) > 3 else len(problems)
     rows = math.ceil(len(problems) / columns)
     figure = Figure(figsize=(5.4 * columns, 4.0 * rows + 0.4), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False).flatten()
@@ -746,11 +749,13 @@ def write_plot(report: Mapping[str, Any], path: Path) -> Path:
             )
         ax.axhline(WITHIN, color="grey", ls=":", lw=1)
         ax.set_ylim(0.98, 1.6)
+        ax.set_xlim(1, len(band["median"]))
         ax.set_xlabel("measurements (counted trials)")
         ax.set_ylabel("best so far / grid best")
         facts = entry["cost_model"]
         ax.set_title(
-            f"{entry['problem']}: {entry['timed_plans']} plans, "
+            f"{entry['problem']}{'' if entry['held_out'] else ' (in sample)'}: "
+            f"{entry['timed_plans']} plans, "
             f"{entry['plans_within_5pct']} within 5%\n"
             f"cost model Spearman {_num(facts['spearman'], '.2f')}",
             fontsize=9,
@@ -758,7 +763,8 @@ def write_plot(report: Mapping[str, Any], path: Path) -> Path:
         ax.legend(fontsize=7, loc="upper right")
     settings = report["settings"]
     figure.suptitle(
-        f"search replayed on recorded H200 grids: median and IQR over {settings['seeds']} "
+        f"search replayed on recorded H200 grids, held-out predictions: median and IQR over "
+        f"{settings['seeds']} "
         "seeds (dotted: within 5%)",
         fontsize=10,
     )
