@@ -70,7 +70,7 @@ def probe_grids(paths: Sequence[Path]) -> list[tuple[Grid, dict[str, Any]]]:
         for shape, rows in costmodel_mma_f16.rows_of(str(path)):
             if len(rows) < 8:
                 continue
-            label = f"{shape} (probe {path.stem})"
+            label = search_efficiency.probe_label(shape, path)
             timed = [(plan, ms) for ms, plan in rows]
             source = {"files": [_relative(path)], "problem": label, "plans": len(timed)}
             grids.append((Grid.of(label, timed, H200), source))

@@ -64,10 +64,17 @@ from typing import Any
 import optuna
 from sqlalchemy.engine import make_url
 
-from kernels.backends.replay import Recording, ReplayBackend, load_recordings, write_recordings
+from kernels.backends.replay import (
+    Recording,
+    ReplayBackend,
+    ReplayEntry,
+    load_recordings,
+    write_recordings,
+)
 from tuner.config import DeviceConfig, SearchConfig, device_profile_from, space_axes_from
 from tuner.costmodel import CALIBRATION_FILE, CostParams, Prediction, predict, rank_correlation
 from tuner.device import DeviceProfile
+from tuner.environment import Environment
 from tuner.planner.families import families_for
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
@@ -235,6 +242,8 @@ class ProblemSetup:
     family: str | None = None
     #: whether the predictions use constants fitted without this problem's grid
     held_out: bool = False
+    #: the grid's name where it is not the problem's label (a probe's)
+    label: str = ""
 
     @property
     def grid_best(self) -> tuple[str, float]:
@@ -365,7 +374,75 @@ def setup_problem(
     )
 
 
-#: (file, index) places of one problem, a family or None, cubins, held out
+#: shapes of a probe file with fewer timed variants are left out
+MIN_PROBE_VARIANTS = 20
+
+
+def probe_label(shape: str, path: Path) -> str:
+    """The name ``bench/calibrate_costmodel.py`` gives a probe grid (its held-out key)."""
+    return f"{shape} (probe {path.stem})"
+
+
+def probe_shapes(path: Path) -> list[int]:
+    """Indices of the shapes of a ``bench/mma_probe.py`` file that become grids."""
+    import costmodel_mma_f16
+
+    return [
+        index
+        for index, (_, rows) in enumerate(costmodel_mma_f16.rows_of(str(path)))
+        if len(rows) >= MIN_PROBE_VARIANTS
+    ]
+
+
+def setup_probe(path: Path, index: int, held_out: bool = False) -> ProblemSetup:
+    """A ``bench/mma_probe.py`` shape as a grid: the probe's variants are the whole space.
+
+    The probe timed a hand-picked subset of ``mma_f16`` variants (an earlier kernel
+    version, ``bench/results/mma_probe_2026-12-03``), so the search chooses among
+    those only and "the grid's best" is the best of them. Its recording is made
+    here (a temporary replay file) and is not GPU data of the current kernel.
+    """
+    import costmodel_mma_f16
+
+    shape, rows = costmodel_mma_f16.rows_of(str(path))[index]
+    data = json.loads(path.read_text())
+    plans: dict[str, KernelPlan] = {}
+    entries = {}
+    for ms, plan in rows:
+        plans[plan.key()] = plan
+        entries[plan.key()] = ReplayEntry(plan.key(), dict(plan.params.as_dict()), ms)
+    problem = next(iter(plans.values())).problem
+    device = device_profile_from(DeviceConfig())
+    environment = Environment(
+        str(data.get("gpu", "")),
+        f"{device.compute_capability[0]}.{device.compute_capability[1]}",
+        device.sm_count,
+    )
+    recording = Recording(problem, environment, True, str(data.get("command", "")), "", entries)
+    replay = Path(tempfile.mkdtemp(prefix="search-efficiency-probe-")) / "probe.json"
+    write_recordings(replay, [recording])
+    label = probe_label(shape, path)
+    params = held_out_params(label) if held_out else None
+    feasible = list(plans.values())
+    predictions = {key: predict(plan, device, params) for key, plan in plans.items()}
+    times = {key: entry.median_ms for key, entry in entries.items()}
+    return ProblemSetup(
+        replay,
+        0,
+        recording,
+        device,
+        feasible,
+        [],
+        predictions,
+        times,  # type: ignore[arg-type]
+        sources=(path,),
+        held_out=params is not None,
+        label=label,
+    )
+
+
+#: (file, index) places of one problem, a family or None, cubins, held out; a probe
+#: file's place is ("probe:<path>", shape index)
 Unit = tuple[tuple[tuple[str, int], ...], str | None, str | None, bool]
 
 
@@ -373,6 +450,8 @@ Unit = tuple[tuple[tuple[str, int], ...], str | None, str | None, bool]
 def _cached_setup(unit: Unit) -> ProblemSetup:
     places, family, cubins, held_out = unit
     (path, index), *also = places
+    if path.startswith("probe:"):
+        return setup_probe(Path(path.removeprefix("probe:")), index, held_out)
     return setup_problem(
         Path(path),
         index,
@@ -462,7 +541,7 @@ def problem_facts(setup: ProblemSetup) -> dict[str, Any]:
             str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
             for p in (setup.sources or (setup.path,))
         ],
-        "problem": recording.problem.label(),
+        "problem": setup.label or recording.problem.label(),
         "family": setup.family or "all",
         "held_out": setup.held_out,
         "recorded_on": recording.environment.gpu_name,
@@ -486,10 +565,19 @@ def problem_facts(setup: ProblemSetup) -> dict[str, Any]:
 
 
 def search_units(
-    paths: Iterable[Path], cubins: str | None, per_family: bool, held_out: bool
+    paths: Iterable[Path],
+    cubins: str | None,
+    per_family: bool,
+    held_out: bool,
+    probes: Iterable[Path] = (),
 ) -> list[Unit]:
-    """Every (problem, family or all) to search: all families, then each with enough plans."""
-    units: list[Unit] = []
+    """Every (problem, family or all) to search: all families, then each with enough plans;
+    then every shape of the probe files."""
+    units: list[Unit] = [
+        (((f"probe:{path}", index),), None, None, held_out)
+        for path in probes
+        for index in probe_shapes(path)
+    ]
     for places in problems_by_shape(paths).values():
         key = tuple((str(p), i) for p, i in places)
         whole: Unit = (key, None, cubins, held_out)
@@ -794,6 +882,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also search each family of a problem on its own",
     )
     parser.add_argument(
+        "--probe",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="bench/mma_probe.py JSON: each shape's timed variants as a grid of its own",
+    )
+    parser.add_argument(
         "--in-sample",
         action="store_true",
         help="predict with the shipped constants (fitted on every grid) instead of held out",
@@ -820,7 +915,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = args.data or sorted(DATA_DIR.glob("*.json"))
     began = time.monotonic()
     cubins = str(Path(args.cubins).expanduser()) if args.cubins else None
-    units = search_units(paths, cubins, args.per_family, held_out=not args.in_sample)
+    units = search_units(
+        paths, cubins, args.per_family, held_out=not args.in_sample, probes=args.probe
+    )
     if not units:
         print(f"no GPU recordings in {', '.join(map(str, paths)) or DATA_DIR}")
         return 1
