@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import costmodel_mma_f16
+import ptxas_resources
 import search_efficiency
 
 from tuner import costmodel
@@ -42,13 +42,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def recorded_grids(
-    paths: Sequence[Path], cubins: str | None = None
+    paths: Sequence[Path], cubins: str | None = None, resources: str = ""
 ) -> list[tuple[Grid, dict[str, Any]]]:
     """A grid per measured problem (its recordings in several files merged), with sources.
-    ``cubins``: judge the plans with the compiler's register report (as a GPU run does)."""
+    ``cubins`` or ``resources`` (recorded ptxas reports): judge the plans with the
+    compiler's register report, as a GPU run does."""
     grids = []
     for places in search_efficiency.problems_by_shape(paths).values():
-        setup = search_efficiency.setup_problem(*places[0], cubins, also=places[1:])
+        setup = search_efficiency.setup_problem(
+            *places[0], cubins, also=places[1:], resources=resources
+        )
         by_key = {plan.key(): plan for plan in setup.feasible}
         timed = [(by_key[key], ms) for key, ms in sorted(setup.times.items())]
         label = setup.recording.problem.label()
@@ -63,17 +66,26 @@ def recorded_grids(
     return grids
 
 
-def probe_grids(paths: Sequence[Path]) -> list[tuple[Grid, dict[str, Any]]]:
-    """A grid per shape of ``bench/mma_probe.py`` JSON with at least 8 timed variants."""
+def probe_grids(
+    paths: Sequence[Path], cubins: str | None = None, resources: str = ""
+) -> list[tuple[Grid, dict[str, Any]]]:
+    """A grid per shape of ``bench/mma_probe.py`` JSON with enough timed variants (those
+    today's compiler rejects dropped, with ``cubins``), as ``search_efficiency`` builds them."""
     grids = []
     for path in paths:
-        for shape, rows in costmodel_mma_f16.rows_of(str(path)):
-            if len(rows) < 8:
-                continue
-            label = search_efficiency.probe_label(shape, path)
-            timed = [(plan, ms) for ms, plan in rows]
-            source = {"files": [_relative(path)], "problem": label, "plans": len(timed)}
-            grids.append((Grid.of(label, timed, H200), source))
+        for index in search_efficiency.probe_shapes(path):
+            setup = search_efficiency.setup_probe(
+                path, index, cubins=cubins, resources=resources
+            )
+            timed = [(plan, setup.times[plan.key()]) for plan in setup.feasible]
+            source = {
+                "files": [_relative(path)],
+                "problem": setup.label,
+                "plans": len(timed),
+                "families": ["mma_f16"],
+                "note": "bench/mma_probe.py variants of an earlier mma_f16 kernel",
+            }
+            grids.append((Grid.of(setup.label, timed, H200), source))
     return grids
 
 
@@ -114,12 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cubin cache: occupancy from the compiler's register report (nvcc compiles "
         "what it lacks); default: the families' register estimates, as a replay run",
     )
+    parser.add_argument(
+        "--resources",
+        default=str(ptxas_resources.DEFAULT_FILE),
+        help="ptxas reports (bench/ptxas_resources.py) the plans are judged with; '' for none",
+    )
     parser.add_argument("--write", type=Path, help="write the constants fitted on every grid")
     parser.add_argument("--table", type=Path, help="write the held-out table (markdown)")
     args = parser.parse_args(argv)
     began = time.monotonic()
     paths = args.data or sorted((ROOT / "bench" / "data").glob("*.json"))
-    loaded = recorded_grids(paths, args.cubins) + probe_grids(args.probe)
+    resources = args.resources if args.resources and Path(args.resources).exists() else ""
+    loaded = recorded_grids(paths, args.cubins, resources) + probe_grids(
+        args.probe, args.cubins, resources
+    )
     grids = [grid for grid, _ in loaded]
     device = H200
 
@@ -147,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": command,
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "device": device.name,
+            "ptxas_resources": _relative(Path(resources)) if resources else None,
             "fitted_on": [source for _, source in loaded],
             "loss": round(loss(final, grids, device), 6),
             # per grid: the constants fitted on every other grid (what a held-out

@@ -62,6 +62,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import optuna
+import ptxas_resources
 from sqlalchemy.engine import make_url
 
 from kernels.backends.replay import (
@@ -311,6 +312,7 @@ def setup_problem(
     also: Sequence[tuple[Path, int]] = (),
     family: str | None = None,
     held_out: bool = False,
+    resources: str = "",
 ) -> ProblemSetup:
     """Space, compiler verdicts and predictions as ``tuner.app`` builds them.
 
@@ -323,6 +325,8 @@ def setup_problem(
     ``also``: more recordings of the same problem (other families), merged.
     ``family``: only that family's plans. ``held_out``: predictions with the
     constants fitted without this problem (``held_out_params``) where there are some.
+    ``resources``: a ``bench/ptxas_resources.py`` file: plans re-judged with ptxas's
+    recorded report (registers, spills), as ``tuner.precompile`` judges them.
     """
     places = ((str(path), index), *((str(p), i) for p, i in also))
     if len(places) > 1:
@@ -345,6 +349,9 @@ def setup_problem(
             compiled_out.append(dataclasses.replace(plan, feasible=False, reason=reason))
         else:
             feasible.append(plan)
+    if resources:
+        feasible, judged_out = ptxas_resources.judged(feasible, _reports(resources), device)
+        compiled_out += judged_out
     if cubins is not None:
         feasible, judged_out = precompile(feasible, device, cubins)
         compiled_out += judged_out
@@ -394,13 +401,21 @@ def probe_shapes(path: Path) -> list[int]:
     ]
 
 
-def setup_probe(path: Path, index: int, held_out: bool = False) -> ProblemSetup:
+def setup_probe(
+    path: Path,
+    index: int,
+    held_out: bool = False,
+    cubins: str | None = None,
+    resources: str = "",
+) -> ProblemSetup:
     """A ``bench/mma_probe.py`` shape as a grid: the probe's variants are the whole space.
 
     The probe timed a hand-picked subset of ``mma_f16`` variants (an earlier kernel
     version, ``bench/results/mma_probe_2026-12-03``), so the search chooses among
     those only and "the grid's best" is the best of them. Its recording is made
     here (a temporary replay file) and is not GPU data of the current kernel.
+    ``cubins`` or ``resources``: drop the variants today's compiler rules out
+    (spills), as a tuning run would, and give the rest their reported registers.
     """
     import costmodel_mma_f16
 
@@ -424,34 +439,47 @@ def setup_probe(path: Path, index: int, held_out: bool = False) -> ProblemSetup:
     label = probe_label(shape, path)
     params = held_out_params(label) if held_out else None
     feasible = list(plans.values())
-    predictions = {key: predict(plan, device, params) for key, plan in plans.items()}
-    times = {key: entry.median_ms for key, entry in entries.items()}
+    rejected: list[KernelPlan] = []
+    if resources:
+        feasible, rejected = ptxas_resources.judged(feasible, _reports(resources), device)
+    if cubins is not None:
+        feasible, judged_out = precompile(feasible, device, cubins)
+        rejected += judged_out
+    predictions = {plan.key(): predict(plan, device, params) for plan in feasible}
+    times = {plan.key(): entries[plan.key()].median_ms for plan in feasible}
     return ProblemSetup(
         replay,
         0,
         recording,
         device,
         feasible,
-        [],
+        rejected,
         predictions,
         times,  # type: ignore[arg-type]
+        len(rejected),
         sources=(path,),
         held_out=params is not None,
         label=label,
     )
 
 
-#: (file, index) places of one problem, a family or None, cubins, held out; a probe
-#: file's place is ("probe:<path>", shape index)
-Unit = tuple[tuple[tuple[str, int], ...], str | None, str | None, bool]
+@functools.cache
+def _reports(path: str) -> dict[str, dict[str, Any]]:
+    return ptxas_resources.load(Path(path))
+
+
+#: (file, index) places of one problem, a family or None, cubins, held out, the
+#: ptxas resources file or ""; a probe file's place is ("probe:<path>", shape index)
+Unit = tuple[tuple[tuple[str, int], ...], str | None, str | None, bool, str]
 
 
 @functools.cache
 def _cached_setup(unit: Unit) -> ProblemSetup:
-    places, family, cubins, held_out = unit
+    places, family, cubins, held_out, resources = unit
     (path, index), *also = places
     if path.startswith("probe:"):
-        return setup_probe(Path(path.removeprefix("probe:")), index, held_out)
+        probe = Path(path.removeprefix("probe:"))
+        return setup_probe(probe, index, held_out, cubins, resources)
     return setup_problem(
         Path(path),
         index,
@@ -459,6 +487,7 @@ def _cached_setup(unit: Unit) -> ProblemSetup:
         also=[(Path(p), i) for p, i in also],
         family=family,
         held_out=held_out,
+        resources=resources,
     )
 
 
@@ -570,17 +599,18 @@ def search_units(
     per_family: bool,
     held_out: bool,
     probes: Iterable[Path] = (),
+    resources: str = "",
 ) -> list[Unit]:
     """Every (problem, family or all) to search: all families, then each with enough plans;
     then every shape of the probe files."""
     units: list[Unit] = [
-        (((f"probe:{path}", index),), None, None, held_out)
+        (((f"probe:{path}", index),), None, cubins, held_out, resources)
         for path in probes
         for index in probe_shapes(path)
     ]
     for places in problems_by_shape(paths).values():
         key = tuple((str(p), i) for p, i in places)
-        whole: Unit = (key, None, cubins, held_out)
+        whole: Unit = (key, None, cubins, held_out, resources)
         units.append(whole)
         if not per_family:
             continue
@@ -591,7 +621,7 @@ def search_units(
                 counts[plan.family] = counts.get(plan.family, 0) + 1
         families = [f for f, n in sorted(counts.items()) if n >= MIN_FAMILY_PLANS]
         if len(families) > 1:
-            units += [(key, family, cubins, held_out) for family in families]
+            units += [(key, family, cubins, held_out, resources) for family in families]
     return units
 
 
@@ -882,6 +912,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also search each family of a problem on its own",
     )
     parser.add_argument(
+        "--resources",
+        default=str(ptxas_resources.DEFAULT_FILE),
+        help="ptxas reports (bench/ptxas_resources.py): plans judged with their registers "
+        "and spills as before a GPU run; '' for the planner alone (default: %(default)s)",
+    )
+    parser.add_argument(
         "--probe",
         type=Path,
         nargs="*",
@@ -915,8 +951,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = args.data or sorted(DATA_DIR.glob("*.json"))
     began = time.monotonic()
     cubins = str(Path(args.cubins).expanduser()) if args.cubins else None
+    resources = args.resources if args.resources and Path(args.resources).exists() else ""
     units = search_units(
-        paths, cubins, args.per_family, held_out=not args.in_sample, probes=args.probe
+        paths,
+        cubins,
+        args.per_family,
+        held_out=not args.in_sample,
+        probes=args.probe,
+        resources=resources,
     )
     if not units:
         print(f"no GPU recordings in {', '.join(map(str, paths)) or DATA_DIR}")
@@ -940,6 +982,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (
                 "; register-aware: plans judged with the compiler's report"
                 if cubins
+                else f"; plans judged with the recorded ptxas reports in {resources}"
+                if resources
                 else "; planner only, as python -m tuner backend=replay"
             ),
             "defaults": dataclasses.asdict(SearchConfig()),

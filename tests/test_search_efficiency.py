@@ -202,3 +202,33 @@ def test_held_out_predictions_use_the_constants_fitted_without_the_grid():
     assert held_out.held_out and not in_sample.held_out
     key = next(iter(held_out.times))
     assert held_out.predictions[key].time_ms != in_sample.predictions[key].time_ms
+
+
+def test_recorded_ptxas_reports_judge_plans_as_precompile_does():
+    import ptxas_resources
+
+    from kernels import build
+    from tuner.device import H200
+    from tuner.planner import KernelParams, plan_kernel
+    from tuner.problem import Problem
+
+    problem = Problem(4096, 128, batch=4, heads=16, dtype="bfloat16")
+
+    def plan(**params):
+        chosen = plan_kernel(problem, KernelParams("mma_f16", split_target=2**16, **params), H200)
+        assert chosen.feasible, chosen.reason
+        return chosen
+
+    small = plan(block_m=64, block_n=32, warps=4, stages=2)
+    spilled = plan(block_m=128, block_n=64, warps=4, stages=2)
+    unknown = plan(block_m=64, block_n=64, warps=4, stages=3)
+    report = {"registers": 160, "spill_store_bytes": 0, "spill_load_bytes": 0}
+    reports = {
+        build.KernelSpec.from_plan(small).key: report,
+        build.KernelSpec.from_plan(spilled).key: report | {"spill_store_bytes": 32},
+    }
+    accepted, rejected = ptxas_resources.judged([small, spilled, unknown], reports, H200)
+    assert [p.key() for p in rejected] == [spilled.key()] and "spills" in rejected[0].reason
+    judged_small, kept = accepted
+    assert judged_small.resources is not None and judged_small.blocks_per_sm == 3  # registers
+    assert kept is unknown  # no report: the planner's judgement stands
