@@ -37,6 +37,9 @@ import search_efficiency
 from tuner import costmodel
 from tuner.calibration import Grid, Score, fit, leave_one_out, loss, score
 from tuner.device import H200
+from tuner.planner.params import KernelParams
+from tuner.planner.tunable import plan_kernel
+from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,9 +77,7 @@ def probe_grids(
     grids = []
     for path in paths:
         for index in search_efficiency.probe_shapes(path):
-            setup = search_efficiency.setup_probe(
-                path, index, cubins=cubins, resources=resources
-            )
+            setup = search_efficiency.setup_probe(path, index, cubins=cubins, resources=resources)
             timed = [(plan, setup.times[plan.key()]) for plan in setup.feasible]
             source = {
                 "files": [_relative(path)],
@@ -87,6 +88,52 @@ def probe_grids(
             }
             grids.append((Grid.of(setup.label, timed, H200), source))
     return grids
+
+
+def evidence_points(
+    paths: Sequence[Path], resources: str = ""
+) -> list[tuple[Grid, dict[str, Any]]]:
+    """A one-plan grid per shape of an ``evidence_*.py`` JSON: the plan the tuner stored and
+    its measured median (an absolute time the model must meet; no ranking to score)."""
+    reports = ptxas_resources.load(Path(resources)) if resources else {}
+    grids = []
+    for path in paths:
+        for shape, entry in json.loads(path.read_text())["shapes"].items():
+            stored = entry.get("stored") or {}
+            command = (entry.get("tuning") or {}).get("command", "")
+            if not stored.get("measured") or not stored.get("median_ms") or not command:
+                continue
+            problem = _problem_of(command)
+            params = KernelParams(stored["family"], **stored["params"])
+            plan = plan_kernel(problem, params, H200)
+            accepted, _ = ptxas_resources.judged([plan], reports, H200)
+            plan = accepted[0] if accepted else plan  # it ran: ptxas accepted it then
+            if plan.key() != stored["key"]:
+                raise ValueError(f"{path.name} {shape}: {stored['key']} plans as {plan.key()}")
+            label = f"{problem.label()} ({path.stem}: {plan.key()})"
+            source = {
+                "files": [_relative(path)],
+                "problem": label,
+                "plans": 1,
+                "families": [plan.family],
+            }
+            grids.append((Grid.of(label, [(plan, float(stored["median_ms"]))], H200), source))
+    return grids
+
+
+def _problem_of(command: str) -> Problem:
+    """The problem of a ``python -m tuner key=value ...`` command line."""
+    fields = {"seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len"}
+    values: dict[str, Any] = {}
+    for word in shlex.split(command):
+        key, _, value = word.partition("=")
+        if key in fields:
+            values[key] = value == "true" if key == "causal" else value
+            if key not in ("dtype", "causal"):
+                values[key] = int(value)
+        elif key == "precision" and value not in ("", "null"):
+            values["precision"] = value
+    return Problem(**values)
 
 
 def _relative(path: Path) -> str:
@@ -119,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, nargs="+", help="default: bench/data/*.json")
     parser.add_argument("--probe", type=Path, nargs="*", default=[], help="mma_probe.py JSON")
+    parser.add_argument(
+        "--evidence",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="evidence_*.py JSON: each tuned plan and its measured time as a one-plan grid",
+    )
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument(
         "--cubins",
@@ -137,8 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.monotonic()
     paths = args.data or sorted((ROOT / "bench" / "data").glob("*.json"))
     resources = args.resources if args.resources and Path(args.resources).exists() else ""
-    loaded = recorded_grids(paths, args.cubins, resources) + probe_grids(
-        args.probe, args.cubins, resources
+    loaded = (
+        recorded_grids(paths, args.cubins, resources)
+        + probe_grids(args.probe, args.cubins, resources)
+        + evidence_points(args.evidence, resources)
     )
     grids = [grid for grid, _ in loaded]
     device = H200

@@ -148,3 +148,20 @@ def test_the_shipped_calibration_loads_and_names_its_sources():
         ), label
     with pytest.raises(ValueError, match="unknown"):
         CostParams.from_dict({"warp_speed": 9.0})
+
+
+def test_a_single_measured_plan_counts_a_quarter_of_a_grid(grids):
+    from tuner.calibration import FULL_GROUP_PLANS
+
+    grid = grids[0]
+    plan_index = int(np.argmin(grid.measured_ms))
+    point = Grid(
+        "one plan",
+        grid.keys[plan_index : plan_index + 1],
+        grid.families[plan_index : plan_index + 1],
+        {name: column[plan_index : plan_index + 1] for name, column in grid.table.items()},
+        grid.measured_ms[plan_index : plan_index + 1] * math.e,  # log error exactly 1
+    )
+    # The grid itself fits perfectly (TRUTH generated it): the loss is the point's share.
+    share = 1 / FULL_GROUP_PLANS
+    assert loss(TRUTH, [grid, point], H200) == pytest.approx(share / (1 + share))

@@ -68,6 +68,9 @@ _PIPE_CONSTANTS = {
     "mma_sync_f16": "mma_f16_efficiency",
     "mma_sync_tf32": "mma_tf32_efficiency",
 }
+#: plans from which a (grid, family) group weighs fully in the loss: one measured plan
+#: (a tuned plan's time, no grid) pins the absolute scale without outweighing a grid
+FULL_GROUP_PLANS = 4
 #: the top-of-the-grid emphasis of the loss (see the module docstring)
 FAST_WEIGHT_SLOPE = 4.0
 #: weight of the prior's squared log distance from ``START`` per fitted constant: a
@@ -124,16 +127,21 @@ def weights(grid: Grid) -> np.ndarray:
 
 
 def loss(params: CostParams, grids: Sequence[Grid], device: DeviceProfile) -> float:
-    """Weighted mean squared log(predicted / measured) over the grids' (grid, family) groups."""
-    total, groups = 0.0, 0
+    """Weighted mean squared log(predicted / measured) over the grids' (grid, family) groups;
+    a group of fewer than ``FULL_GROUP_PLANS`` plans counts in proportion to its plans."""
+    total, groups = 0.0, 0.0
     for grid in grids:
         predicted = model_times(grid.table, device, params)["time_ms"]
         error = np.log(predicted / grid.measured_ms)
         if not np.all(np.isfinite(error)):
             return math.inf
-        total += float(np.sum(weights(grid) * error**2))
-        groups += len(grid.family_names)
-    return total / max(groups, 1)
+        w = weights(grid)
+        for family in grid.family_names:
+            mask = grid.family_mask(family)
+            share = min(1.0, int(mask.sum()) / FULL_GROUP_PLANS)
+            total += share * float(np.sum(w[mask] * error[mask] ** 2))
+            groups += share
+    return total / max(groups, 1e-12)
 
 
 def fitted_constants(grids: Sequence[Grid]) -> list[str]:
