@@ -126,14 +126,33 @@ def test_the_best_predictions_are_measured_first_in_predicted_order(tmp_path):
     assert [t.key for t in result.trials[:5]] == backend.keys[:5]
 
 
-def test_the_model_sampler_is_queued_only_the_best_prediction(tmp_path):
-    # It ranks by the model itself and corrects the ranking as times arrive, so a
-    # fixed queue of the model's top would only delay its corrections.
+def test_the_model_sampler_follows_the_queue_then_corrects_the_ranking(tmp_path):
     space, predictions = make_space(Problem(512, 64))
-    backend = RecordingBackend()
-    result = search(tmp_path, space, predictions, backend, n_trials=12, enqueue_top=5)
-    assert result.enqueued == ranked_keys(space, predictions)[:1] == backend.keys[:1]
-    assert len(set(backend.keys)) == len(backend.keys) == 12
+    ranked = ranked_keys(space, predictions)
+    # Every plan of the 6th-ranked plan's tile size runs 3x slower than predicted.
+    def tile_of(plan: KernelPlan) -> int | None:
+        return plan.params.as_dict().get("tile_size")
+
+    slow_tile = tile_of(space.by_key[ranked[5]])
+
+    class Skewed(RecordingBackend):
+        def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
+            measurement = super().measure(plan, problem)
+            factor = 3.0 if tile_of(plan) == slow_tile else 1.0
+            return dataclasses.replace(measurement, median_ms=measurement.median_ms * factor)
+
+    backend = Skewed()
+    result = search(tmp_path, space, predictions, backend, n_trials=14, enqueue_top=3)
+    assert result.enqueued == ranked[:3] == backend.keys[:3]
+    assert len(set(backend.keys)) == len(backend.keys) == 14
+    # After the queue, the sampler measures fewer plans of the slow tile than the
+    # uncorrected ranking would.
+    after = backend.keys[3:]
+    uncorrected = [k for k in ranked if k not in backend.keys[:3]][: len(after)]
+    def slow(keys: list[str]) -> int:
+        return sum(tile_of(space.by_key[k]) == slow_tile for k in keys)
+
+    assert slow(after) < slow(uncorrected)
 
 
 def test_the_model_sampler_refuses_a_structured_space(tmp_path):

@@ -41,8 +41,7 @@ class SearchConfig:
     storage: str | None = None
     #: null: derived from the problem and the environment
     study_name: str | None = None
-    #: the cost model's best predictions measured first (the model sampler takes
-    #: only the first: it ranks by the model itself)
+    #: the cost model's best predictions measured first
     enqueue_top: int = 8
     #: skip plans whose predicted traffic exceeds this multiple of the best candidate's
     traffic_cutoff: float = 16.0

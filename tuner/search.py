@@ -8,10 +8,7 @@ The study lives in Optuna's RDB storage (SQLite by default, see
 ``optuna-dashboard <storage-url>`` shows it live. Order of work:
 
 1. The cost model's best ``enqueue_top`` candidates (within the traffic
-   cutoff, not yet evaluated in this study) are enqueued, best first. The
-   ``model`` sampler proposes the model's ranking itself and corrects it as
-   measurements arrive, so it is given only the first of them (the zero-trial
-   pick): a fixed queue would spend trials the corrected ranking can spend better.
+   cutoff, not yet evaluated in this study) are enqueued, best first.
 2. The sampler (``model``: the cost model's ranking corrected by the measured
    residuals, ``tuner.model_sampler``; ``tpe``: multivariate TPE seeded with
    ``seed``; ``random``; ``grid``: every feasible candidate once, see
@@ -93,8 +90,6 @@ from tuner.trials import SearchResult, TrialOutcome
 __all__ = ["HEARTBEAT_INTERVAL_S", "SearchResult", "open_storage", "run_search"]
 
 SAMPLERS = ("model", "tpe", "random", "grid")
-#: samplers that rank with the cost model themselves: the queue holds only its first pick
-MODEL_SAMPLERS = ("model",)
 #: free proposals (infeasible, skipped, duplicate) in a row before the search
 #: hands the sampler the best-predicted candidate it has not evaluated yet
 FREE_STREAK_LIMIT = 25
@@ -255,8 +250,6 @@ class _Search:
     def enqueue_top(self) -> list[str]:
         """The top of the whole ranking: a resumed study does not enqueue the next ones."""
         count = self.settings.enqueue_top
-        if self.settings.sampler in MODEL_SAMPLERS:
-            count = min(count, 1)
         top = [p for p in self.allowed[:count] if p.key() not in self.evaluated]
         return self.enqueue(top, "cost model top")
 
