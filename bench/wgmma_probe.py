@@ -32,11 +32,13 @@ import ctypes
 import itertools
 import json
 import math
+import os
 import re
 import shlex
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,9 +255,12 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.init()
     if torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit(f"sm_90a cubins need a Hopper GPU, not {torch.cuda.get_device_name()}")
-    torch.zeros(1, device="cuda")  # makes torch's primary context current in this thread
+    torch.zeros(1, device="cuda")  # torch's primary context exists from here
     library = libcuda()
     driver = CudaDriver(library)
+    context = ctypes.c_void_p()  # ... and is made current for the driver calls below
+    driver.check(library.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0), "primary context")
+    driver.set_context(int(context.value or 0))
     stream = torch.cuda.current_stream().cuda_stream
     flush = torch.empty(2 * 60 * 2**20, dtype=torch.uint8, device="cuda")
 
@@ -288,6 +293,24 @@ def run(args: argparse.Namespace) -> int:
             samples.append(start.elapsed_time(stop))
         q1, _, q3 = statistics.quantiles(samples, n=4)
         return statistics.median(samples), q3 - q1
+
+    def finish_or_exit(name: str, results: dict[str, Any], shape_text: str,
+                       runs: list[dict[str, Any]]) -> None:
+        """Wait for the launch at most ``--hang-seconds``: a kernel that deadlocks on an
+        mbarrier would hold the device until the command's limit. On a hang, record it and
+        leave the process (its context goes with it, and the device with it)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + args.hang_seconds
+        while not done.query():
+            if time.monotonic() > deadline:
+                runs.append({"variant": name, "error": f"no completion in {args.hang_seconds} s"})
+                results["shapes"][shape_text] = {"variants": runs, "fatal": f"{name} hangs"}
+                Path(args.out).write_text(json.dumps(results, indent=1))
+                print(f"   HANG {name}: no completion in {args.hang_seconds} s", flush=True)
+                os._exit(3)
+            time.sleep(0.01)
+        torch.cuda.synchronize()
 
     results: dict[str, Any] = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -385,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
                 name = f"{variant.name}_x{splits}"
                 try:
                     call()
-                    torch.cuda.synchronize()
+                    finish_or_exit(name, results, shape_text, runs)
                 except RuntimeError as error:
                     runs.append({"variant": name, "error": str(error)})
                     if "illegal" in str(error) or "launch failed" in str(error):
@@ -444,6 +467,8 @@ def main() -> int:
     run_parser.add_argument("--warmup", type=int, default=5)
     run_parser.add_argument("--parity-only", action="store_true")
     run_parser.add_argument("--top", type=int, default=6, help="variants to print per shape")
+    run_parser.add_argument("--hang-seconds", type=float, default=10.0,
+                            help="a launch not done after this long is a hang: record, exit 3")
     args = parser.parse_args()
     return build(args) if args.command == "build" else run(args)
 
