@@ -47,6 +47,7 @@ from typing import Any
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "wgmma_f16.cu"
 NAME = re.compile(
     r"wgmma_f16_D(?P<D>\d+)_C(?P<C>\d)_N(?P<N>\d+)_S(?P<S>\d)_K(?P<K>\d)_H(?P<H>\d)_B(?P<B>\d)"
+    r"(?P<G>_dbgS)?"
 )
 SMEM_PER_BLOCK = 232448  # 227 KB, sm_90's opt-in limit a block
 SMEM_PER_SM = 233472  # 228 KB
@@ -65,11 +66,13 @@ class Variant:
     causal: bool
     fp16: bool
     blocks_per_sm: int
+    debug_s: bool = False  # DEBUG_S=1: tile 0's raw scores also go to partial_o
 
     @property
     def name(self) -> str:
         return (f"wgmma_f16_D{self.head_dim}_C{self.consumers}_N{self.block_n}_S{self.stages}"
-                f"_K{int(self.causal)}_H{int(self.fp16)}_B{self.blocks_per_sm}")
+                f"_K{int(self.causal)}_H{int(self.fp16)}_B{self.blocks_per_sm}"
+                + ("_dbgS" if self.debug_s else ""))
 
     @property
     def block_m(self) -> int:
@@ -102,15 +105,16 @@ class Variant:
                 f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
                 f"-DCAUSAL={int(self.causal)}", f"-DIS_FP16={int(self.fp16)}",
                 f"-DBLOCKS_PER_SM={self.blocks_per_sm}",
-                f"-DCONSUMER_REGISTERS={self.consumer_registers}"]
+                f"-DCONSUMER_REGISTERS={self.consumer_registers}", f"-DDEBUG_S={int(self.debug_s)}"]
 
     @classmethod
     def parse(cls, stem: str) -> Variant | None:
         match = NAME.fullmatch(stem)
         if not match:
             return None
-        g = {k: int(v) for k, v in match.groupdict().items()}
-        return cls(g["D"], g["C"], g["N"], g["S"], bool(g["K"]), bool(g["H"]), g["B"])
+        debug_s = match.group("G") is not None
+        g = {k: int(v) for k, v in match.groupdict().items() if k != "G"}
+        return cls(g["D"], g["C"], g["N"], g["S"], bool(g["K"]), bool(g["H"]), g["B"], debug_s)
 
 
 def variant_grid() -> list[Variant]:
@@ -126,6 +130,12 @@ def variant_grid() -> list[Variant]:
     return grid
 
 
+def diagnosis_grid() -> list[Variant]:
+    """One DEBUG_S build per head_dim x consumers x key tile (bf16, non-causal, 2 stages)."""
+    return [Variant(d, c, n, 2, False, False, 1, debug_s=True)
+            for d, c, n in itertools.product((64, 128), (1, 2), (64, 128))]
+
+
 # ---------------------------------------------------------------- build (here)
 
 
@@ -136,8 +146,8 @@ def build(args: argparse.Namespace) -> int:
     report_path = out / "ptxas.json"
     if report_path.exists():
         report = json.loads(report_path.read_text())
-    chosen = [v for v in variant_grid()
-              if not args.only or all(token in v.name for token in args.only)]
+    grid = diagnosis_grid() if args.debug_s else variant_grid()
+    chosen = [v for v in grid if not args.only or all(token in v.name for token in args.only)]
 
     def compile_one(variant: Variant) -> tuple[Variant, list[str], Any]:
         cubin = out / f"{variant.name}.cubin"
@@ -267,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     ptxas_path = Path(args.cubins) / "ptxas.json"
     ptxas = json.loads(ptxas_path.read_text()) if ptxas_path.exists() else {}
     variants = [(v, p) for p in sorted(Path(args.cubins).glob("wgmma_f16_*.cubin"))
-                if (v := Variant.parse(p.stem)) is not None]
+                if (v := Variant.parse(p.stem)) is not None and v.debug_s == args.diagnose]
     functions: dict[str, tuple[int, int]] = {}
 
     def load(variant: Variant, path: Path) -> tuple[int, int]:
@@ -360,6 +370,29 @@ def run(args: argparse.Namespace) -> int:
                     peers[name] = str(error).splitlines()[0]
         flops = 4 * b * h * n * lk * d * (0.5 if shape.causal and n == lk else 1.0)
 
+        def scores_check(part_o: Any, variant: Variant, q=q, k=k, shape=shape, rows=rows) -> str:
+            """DEBUG_S: tile 0's raw scores against q @ k[:block_n]^T in float64; where they
+            differ, which row % 8 and 8-column groups (a swizzle or descriptor error shows as
+            a pattern there)."""
+            width = variant.block_n
+            batch, heads, length, dim = q.shape
+            got = part_o[: q.numel() // dim * width].view(batch, heads, length, width)
+            got = got[:, :, rows].double()
+            keys = torch.zeros(batch, k.shape[1], width, dim, device="cuda", dtype=torch.float64)
+            keys[:, :, : min(width, k.shape[2])] = k[:, :, :width].double()
+            keys = keys.repeat_interleave(shape.group, 1)
+            want = q[:, :, rows].double() @ keys.transpose(-1, -2)
+            diff = (got - want).abs().nan_to_num(float("inf"))
+            bad = diff > 1e-3 * max(1.0, float(want.abs().max()))
+            if not bool(bad.any()):
+                return f"ok (max err {float(diff.max()):.2e})"
+            where = bad.nonzero()
+            row_mod8 = sorted({int(r) % 8 for r in rows[where[:, 2]].tolist()})
+            col_groups = sorted({int(c) // 8 for c in where[:, 3].tolist()})
+            return (f"WRONG: {float(bad.double().mean()):.1%} of scores, max err "
+                    f"{float(diff.max()):.2e}; rows % 8 {row_mod8}; "
+                    f"column groups of 8 {col_groups}")
+
         runs: list[dict[str, Any]] = []
         for variant, path in variants:
             fp16 = shape.dtype == "fp16"
@@ -380,7 +413,8 @@ def run(args: argparse.Namespace) -> int:
                 if math.ceil(lk / per_split) != splits:
                     continue
                 out = torch.full_like(q, float("nan"))
-                part_o = torch.full((b * h * splits * n * d,), float("nan"), device="cuda")
+                width = max(d, variant.block_n)  # DEBUG_S writes block_n scores a row
+                part_o = torch.full((b * h * splits * n * width,), float("nan"), device="cuda")
                 part_l = torch.full((b * h * splits * n,), float("nan"), device="cuda")
                 arguments = (
                     q_map, k_map, v_map,
@@ -419,6 +453,24 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 err = float((out[:, :, rows].double() - ref).abs().max())
                 ok = bool(err == err and err <= 2 * torch_err + 1e-5)
+                if variant.debug_s and splits == 1:
+                    print(f"   {name} S check: {scores_check(part_o, variant)}", flush=True)
+                    # With Q = 0 every visible key has P = 1: O is the mean of V's rows, which
+                    # tests V's MN-major descriptor apart from S and the P fragment layout.
+                    saved = q.clone()
+                    q.zero_()
+                    call()
+                    finish_or_exit(name, results, shape_text, runs)
+                    mean = v.double().mean(dim=2, keepdim=True).repeat_interleave(shape.group, 1)
+                    diff = (out.double() - mean).abs().nan_to_num(float("inf"))
+                    bad = diff > 5e-3
+                    verdict = f"ok (max err {float(diff.max()):.2e})"
+                    if bool(bad.any()):
+                        groups = sorted({int(c) // 8 for c in bad.nonzero()[:, 3].tolist()})
+                        verdict = (f"WRONG: {float(bad.double().mean()):.1%} of outputs, max err "
+                                   f"{float(diff.max()):.2e}; column groups of 8 {groups}")
+                    print(f"   {name} P = 1 (Q = 0) check: {verdict}", flush=True)
+                    q.copy_(saved)
                 row: dict[str, Any] = {"variant": name, "max_err": err, "ok": ok,
                                        "ptxas": {key: ptxas.get(variant.name, {}).get(key)
                                                  for key in ("registers", "spill_stores", "hgmma")}}
@@ -452,6 +504,8 @@ def main() -> int:
     build_parser.add_argument("--only", nargs="*", default=[],
                               help="keep variants whose name holds every token, e.g. D128 K0")
     build_parser.add_argument("--jobs", type=int, default=1, help="nvcc processes at once")
+    build_parser.add_argument("--debug-s", action="store_true",
+                              help="build the 8 DEBUG_S variants `diagnose` reads instead")
     run_parser = commands.add_parser("run", help="parity and timing on the GPU (torch)")
     run_parser.add_argument("--cubins", required=True)
     run_parser.add_argument("--out", required=True)
@@ -466,6 +520,8 @@ def main() -> int:
     run_parser.add_argument("--repetitions", type=int, default=30)
     run_parser.add_argument("--warmup", type=int, default=5)
     run_parser.add_argument("--parity-only", action="store_true")
+    run_parser.add_argument("--diagnose", action="store_true",
+                            help="run the DEBUG_S cubins (build --debug-s) and check S alone too")
     run_parser.add_argument("--top", type=int, default=6, help="variants to print per shape")
     run_parser.add_argument("--hang-seconds", type=float, default=10.0,
                             help="a launch not done after this long is a hang: record, exit 3")

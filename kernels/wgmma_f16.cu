@@ -79,6 +79,9 @@
 #ifndef BLOCKS_PER_SM
 #define BLOCKS_PER_SM 1  // 2: two blocks share an SM (CONSUMERS = 1 with a small ring)
 #endif
+#ifndef DEBUG_S
+#define DEBUG_S 0  // 1: also write tile 0's raw S = Q K^T (fp32) to partial_o (diagnosis)
+#endif
 #ifndef PRODUCER_REGISTERS
 #define PRODUCER_REGISTERS 24
 #endif
@@ -396,6 +399,19 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers<S_REGS>(s_acc);
+#if DEBUG_S
+            // Diagnosis of the K-major descriptors alone: partial_o[bh][row][0, BLOCK_N) = the
+            // first tile's unscaled, unmasked scores (bench/wgmma_probe.py diagnose).
+            if (t == 0) {
+#pragma unroll
+                for (int i = 0; i < S_REGS; ++i) {
+                    const int row = my_row + 8 * ((i / 2) % 2);
+                    const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+                    if (row < seq_len)
+                        partial_o[((size_t)bh * seq_len + row) * BLOCK_N + col] = s_acc[i];
+                }
+            }
+#endif
 
             // ---- mask: keys past kv_len (last tile) and, under causal, past the diagonal
             const bool tail = key0 + BLOCK_N > kv_len;
