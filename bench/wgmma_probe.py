@@ -47,7 +47,7 @@ from typing import Any
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "wgmma_f16.cu"
 NAME = re.compile(
     r"wgmma_f16_D(?P<D>\d+)_C(?P<C>\d)_N(?P<N>\d+)_S(?P<S>\d)_K(?P<K>\d)_H(?P<H>\d)_B(?P<B>\d)"
-    r"(?P<G>_dbgS)?"
+    r"(?:_O(?P<O>\d))?(?P<G>_dbgS)?"
 )
 SMEM_PER_BLOCK = 232448  # 227 KB, sm_90's opt-in limit a block
 SMEM_PER_SM = 233472  # 228 KB
@@ -67,12 +67,13 @@ class Variant:
     fp16: bool
     blocks_per_sm: int
     debug_s: bool = False  # DEBUG_S=1: tile 0's raw scores also go to partial_o
+    overlap: bool = False  # OVERLAP=1: FA3's softmax(t) under P V(t-1)
 
     @property
     def name(self) -> str:
         return (f"wgmma_f16_D{self.head_dim}_C{self.consumers}_N{self.block_n}_S{self.stages}"
                 f"_K{int(self.causal)}_H{int(self.fp16)}_B{self.blocks_per_sm}"
-                + ("_dbgS" if self.debug_s else ""))
+                + ("_O1" if self.overlap else "") + ("_dbgS" if self.debug_s else ""))
 
     @property
     def block_m(self) -> int:
@@ -105,7 +106,8 @@ class Variant:
                 f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
                 f"-DCAUSAL={int(self.causal)}", f"-DIS_FP16={int(self.fp16)}",
                 f"-DBLOCKS_PER_SM={self.blocks_per_sm}",
-                f"-DCONSUMER_REGISTERS={self.consumer_registers}", f"-DDEBUG_S={int(self.debug_s)}"]
+                f"-DCONSUMER_REGISTERS={self.consumer_registers}", f"-DDEBUG_S={int(self.debug_s)}",
+                f"-DOVERLAP={int(self.overlap)}"]
 
     @classmethod
     def parse(cls, stem: str) -> Variant | None:
@@ -113,16 +115,18 @@ class Variant:
         if not match:
             return None
         debug_s = match.group("G") is not None
-        g = {k: int(v) for k, v in match.groupdict().items() if k != "G"}
-        return cls(g["D"], g["C"], g["N"], g["S"], bool(g["K"]), bool(g["H"]), g["B"], debug_s)
+        overlap = match.group("O") == "1"
+        g = {k: int(v) for k, v in match.groupdict().items() if k not in ("G", "O")}
+        return cls(g["D"], g["C"], g["N"], g["S"], bool(g["K"]), bool(g["H"]), g["B"], debug_s,
+                   overlap)
 
 
-def variant_grid() -> list[Variant]:
+def variant_grid(overlap: bool = False) -> list[Variant]:
     grid = []
     for d, c, n, s, k, h, b in itertools.product(
         (64, 128), (1, 2), (64, 128), (2, 3, 4), (False, True), (False, True), (1, 2)
     ):
-        variant = Variant(d, c, n, s, k, h, b)
+        variant = Variant(d, c, n, s, k, h, b, overlap=overlap)
         if b == 2 and c == 2:
             continue  # two 3-warpgroup blocks leave consumers too few registers
         if variant.fits():
@@ -131,9 +135,10 @@ def variant_grid() -> list[Variant]:
 
 
 def diagnosis_grid() -> list[Variant]:
-    """One DEBUG_S build per head_dim x consumers x key tile (bf16, non-causal, 2 stages)."""
-    return [Variant(d, c, n, 2, False, False, 1, debug_s=True)
-            for d, c, n in itertools.product((64, 128), (1, 2), (64, 128))]
+    """One DEBUG_S build per head_dim x consumers x key tile x overlap (bf16, non-causal,
+    2 stages)."""
+    return [Variant(d, c, n, 2, False, False, 1, debug_s=True, overlap=o)
+            for d, c, n, o in itertools.product((64, 128), (1, 2), (64, 128), (False, True))]
 
 
 # ---------------------------------------------------------------- build (here)
@@ -146,7 +151,7 @@ def build(args: argparse.Namespace) -> int:
     report_path = out / "ptxas.json"
     if report_path.exists():
         report = json.loads(report_path.read_text())
-    grid = diagnosis_grid() if args.debug_s else variant_grid()
+    grid = diagnosis_grid() if args.debug_s else variant_grid(overlap=args.overlap)
     chosen = [v for v in grid if not args.only or all(token in v.name for token in args.only)]
 
     def compile_one(variant: Variant) -> tuple[Variant, list[str], Any]:
@@ -505,7 +510,9 @@ def main() -> int:
                               help="keep variants whose name holds every token, e.g. D128 K0")
     build_parser.add_argument("--jobs", type=int, default=1, help="nvcc processes at once")
     build_parser.add_argument("--debug-s", action="store_true",
-                              help="build the 8 DEBUG_S variants `diagnose` reads instead")
+                              help="build the 16 DEBUG_S variants `run --diagnose` reads instead")
+    build_parser.add_argument("--overlap", action="store_true",
+                              help="build the grid with OVERLAP=1 (names end in _O1)")
     run_parser = commands.add_parser("run", help="parity and timing on the GPU (torch)")
     run_parser.add_argument("--cubins", required=True)
     run_parser.add_argument("--out", required=True)

@@ -79,6 +79,9 @@
 #ifndef BLOCKS_PER_SM
 #define BLOCKS_PER_SM 1  // 2: two blocks share an SM (CONSUMERS = 1 with a small ring)
 #endif
+#ifndef OVERLAP
+#define OVERLAP 0  // 1: FA3's intra-warpgroup overlap of softmax(t) with P V(t-1)
+#endif
 #ifndef DEBUG_S
 #define DEBUG_S 0  // 1: also write tile 0's raw S = Q K^T (fp32) to partial_o (diagnosis)
 #endif
@@ -270,6 +273,110 @@ __device__ __forceinline__ void wgmma_rs<128>(float* d, const uint32_t* a, uint6
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
+// ---------------------------------------------------------------- consumer steps
+// (a consumer thread's accumulator layout, m64nNk16: register i of n8 chunk i / 4 is
+// column 8 (i / 4) + 2 (lane % 4) + i % 2 of row my_row + 8 ((i / 2) % 2))
+
+// S = Q K^T for one tile: HEAD_DIM / 16 wgmmas, both operands K-major in shared memory.
+__device__ __forceinline__ void issue_s(float* s_acc, uint32_t q_tile, uint32_t k_tile) {
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 16; ++j)
+        wgmma_ss<BLOCK_N>(s_acc, k_major_descriptor(q_tile, 64, j),
+                          k_major_descriptor(k_tile, BLOCK_N, j), j > 0);
+}
+
+// O += P V for one tile: BLOCK_N / 16 wgmmas, P from registers, V MN-major in shared memory.
+__device__ __forceinline__ void issue_pv(float* o_acc, const uint32_t (*p_frag)[4],
+                                         uint32_t v_tile) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 16; ++j)
+        wgmma_rs<HEAD_DIM>(o_acc, p_frag[j], mn_major_descriptor(v_tile, j), 1);
+}
+
+// Keys past kv_len (last tile) and, under causal masking, past the diagonal -> -inf.
+__device__ __forceinline__ void mask_scores(float* s_acc, int key0, int kv_len, int my_row,
+                                            int wg_row0, int causal_offset, int lane) {
+    const bool tail = key0 + BLOCK_N > kv_len;
+    const bool diagonal = CAUSAL && (key0 + BLOCK_N - 1 > wg_row0 + causal_offset);
+    if (tail || diagonal) {
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int key = key0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+            const int row = my_row + 8 * ((i / 2) % 2);
+            bool masked = key >= kv_len;
+            if (CAUSAL) masked = masked || key > row + causal_offset;
+            if (masked) s_acc[i] = -INFINITY;
+        }
+    }
+}
+
+// Online softmax of one tile (fp32, log2 domain; the four lanes of a quad share a row):
+// P replaces S in place, the running max and this thread's share of the sum are updated,
+// and correction[half] is the factor O's rows must be scaled by before P V is added.
+__device__ __forceinline__ void softmax_tile(float* s_acc, float* row_max, float* row_sum,
+                                             float* correction, float scale_log2) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < BLOCK_N / 8; ++c)
+            tile_max = fmaxf(tile_max, fmaxf(s_acc[4 * c + 2 * half], s_acc[4 * c + 2 * half + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+        const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
+        // A row with no visible key yet keeps max -inf: subtract 0, not -inf.
+        const float shift = new_max == -INFINITY ? 0.f : new_max;
+        correction[half] = fast_exp2(row_max[half] - shift);
+        row_max[half] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < BLOCK_N / 8; ++c) {
+            const float p0 = fast_exp2(s_acc[4 * c + 2 * half] * scale_log2 - shift);
+            const float p1 = fast_exp2(s_acc[4 * c + 2 * half + 1] * scale_log2 - shift);
+            s_acc[4 * c + 2 * half] = p0;
+            s_acc[4 * c + 2 * half + 1] = p1;
+            sum += p0 + p1;
+        }
+        row_sum[half] = row_sum[half] * correction[half] + sum;
+    }
+}
+
+__device__ __forceinline__ void rescale_o(float* o_acc, const float* correction) {
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 8; ++c) {
+        o_acc[4 * c + 0] *= correction[0];
+        o_acc[4 * c + 1] *= correction[0];
+        o_acc[4 * c + 2] *= correction[1];
+        o_acc[4 * c + 3] *= correction[1];
+    }
+}
+
+// P to 16-bit A fragments: k16 step j covers n8 chunks 2j and 2j + 1 (the register-A layout
+// of m64nNk16 for a warp's 16 rows is mma.sync m16n8k16's A fragment).
+__device__ __forceinline__ void pack_p(const float* s_acc, uint32_t (*p_frag)[4]) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 16; ++j) {
+        p_frag[j][0] = pack_pair(s_acc[8 * j + 0], s_acc[8 * j + 1]);  // row g, k 0-7
+        p_frag[j][1] = pack_pair(s_acc[8 * j + 2], s_acc[8 * j + 3]);  // row g+8, k 0-7
+        p_frag[j][2] = pack_pair(s_acc[8 * j + 4], s_acc[8 * j + 5]);  // row g, k 8-15
+        p_frag[j][3] = pack_pair(s_acc[8 * j + 6], s_acc[8 * j + 7]);  // row g+8, k 8-15
+    }
+}
+
+#if DEBUG_S
+// Diagnosis of the K-major descriptors alone: partial_o[bh][row][0, BLOCK_N) = the first
+// tile's unscaled, unmasked scores (bench/wgmma_probe.py run --diagnose).
+__device__ __forceinline__ void debug_store_s(const float* s_acc, float* partial_o, int bh,
+                                              int seq_len, int my_row, int lane) {
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+        const int row = my_row + 8 * ((i / 2) % 2);
+        const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+        if (row < seq_len) partial_o[((size_t)bh * seq_len + row) * BLOCK_N + col] = s_acc[i];
+    }
+}
+#endif
+
 // ---------------------------------------------------------------- attention
 
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
@@ -382,6 +489,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
         float row_sum[2] = {0.f, 0.f};              // this thread's share of the running sum
 
         mbar_wait(q_full, 0);
+#if !OVERLAP
+        uint32_t p_frag[BLOCK_N / 16][4];
         for (int t = 0; t < n_tiles; ++t) {
             const int stage = t % STAGES;
             const uint32_t parity = (t / STAGES) & 1;
@@ -391,91 +500,24 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             float s_acc[S_REGS];
             mbar_wait(k_full + 8 * stage, parity);
             wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 16; ++j)
-                wgmma_ss<BLOCK_N>(s_acc, k_major_descriptor(q_tile, 64, j),
-                                  k_major_descriptor(s_k + stage * KV_TILE_BYTES, BLOCK_N, j),
-                                  j > 0);
+            issue_s(s_acc, q_tile, s_k + stage * KV_TILE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers<S_REGS>(s_acc);
 #if DEBUG_S
-            // Diagnosis of the K-major descriptors alone: partial_o[bh][row][0, BLOCK_N) = the
-            // first tile's unscaled, unmasked scores (bench/wgmma_probe.py diagnose).
-            if (t == 0) {
-#pragma unroll
-                for (int i = 0; i < S_REGS; ++i) {
-                    const int row = my_row + 8 * ((i / 2) % 2);
-                    const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-                    if (row < seq_len)
-                        partial_o[((size_t)bh * seq_len + row) * BLOCK_N + col] = s_acc[i];
-                }
-            }
+            if (t == 0) debug_store_s(s_acc, partial_o, bh, seq_len, my_row, lane);
 #endif
-
-            // ---- mask: keys past kv_len (last tile) and, under causal, past the diagonal
-            const bool tail = key0 + BLOCK_N > kv_len;
-            const bool diagonal = CAUSAL && (key0 + BLOCK_N - 1 > wg_row0 + causal_offset);
-            if (tail || diagonal) {
-#pragma unroll
-                for (int i = 0; i < S_REGS; ++i) {
-                    const int key = key0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-                    const int row = my_row + 8 * ((i / 2) % 2);
-                    bool masked = key >= kv_len;
-                    if (CAUSAL) masked = masked || key > row + causal_offset;
-                    if (masked) s_acc[i] = -INFINITY;
-                }
-            }
-
-            // ---- online softmax (fp32, log2 domain); the four lanes of a quad share a row
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int c = 0; c < BLOCK_N / 8; ++c)
-                    tile_max = fmaxf(tile_max, fmaxf(s_acc[4 * c + 2 * half], s_acc[4 * c + 2 * half + 1]));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-                const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
-                // A row with no visible key yet keeps max -inf: subtract 0, not -inf.
-                const float shift = new_max == -INFINITY ? 0.f : new_max;
-                const float correction = fast_exp2(row_max[half] - shift);
-                row_max[half] = new_max;
-                float sum = 0.f;
-#pragma unroll
-                for (int c = 0; c < BLOCK_N / 8; ++c) {
-                    const float p0 = fast_exp2(s_acc[4 * c + 2 * half] * scale_log2 - shift);
-                    const float p1 = fast_exp2(s_acc[4 * c + 2 * half + 1] * scale_log2 - shift);
-                    s_acc[4 * c + 2 * half] = p0;
-                    s_acc[4 * c + 2 * half + 1] = p1;
-                    sum += p0 + p1;
-                }
-                row_sum[half] = row_sum[half] * correction + sum;
-#pragma unroll
-                for (int c = 0; c < HEAD_DIM / 8; ++c) {
-                    o_acc[4 * c + 2 * half] *= correction;
-                    o_acc[4 * c + 2 * half + 1] *= correction;
-                }
-            }
-
-            // ---- P to 16-bit A fragments: k16 step j covers n8 chunks 2j and 2j + 1
-            uint32_t p_frag[BLOCK_N / 16][4];
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 16; ++j) {
-                p_frag[j][0] = pack_pair(s_acc[8 * j + 0], s_acc[8 * j + 1]);  // row g, k 0-7
-                p_frag[j][1] = pack_pair(s_acc[8 * j + 2], s_acc[8 * j + 3]);  // row g+8, k 0-7
-                p_frag[j][2] = pack_pair(s_acc[8 * j + 4], s_acc[8 * j + 5]);  // row g, k 8-15
-                p_frag[j][3] = pack_pair(s_acc[8 * j + 6], s_acc[8 * j + 7]);  // row g+8, k 8-15
-            }
+            mask_scores(s_acc, key0, kv_len, my_row, wg_row0, causal_offset, lane);
+            float correction[2];
+            softmax_tile(s_acc, row_max, row_sum, correction, scale_log2);
+            rescale_o(o_acc, correction);
+            pack_p(s_acc, p_frag);
 
             // ---- O += P V
             mbar_wait(v_full + 8 * stage, parity);
             fence_registers<O_REGS>(o_acc);
             wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 16; ++j)
-                wgmma_rs<HEAD_DIM>(o_acc, p_frag[j],
-                                   mn_major_descriptor(s_v + stage * KV_TILE_BYTES, j), 1);
+            issue_pv(o_acc, p_frag, s_v + stage * KV_TILE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers<O_REGS>(o_acc);
@@ -483,6 +525,92 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             __syncwarp();
             if (lane == 0) mbar_arrive(kv_empty + 8 * stage);
         }
+#else
+        // FlashAttention-3's intra-warpgroup overlap: S(t) is issued, then P(t-1) V(t-1);
+        // the softmax of S(t) runs while P V(t-1) is still in the tensor cores, and O is
+        // rescaled only after that product has landed. Groups complete in commit order, so
+        // wait_group 1 after the two commits means S(t) is done, P V(t-1) maybe not.
+        // P alternates between two register sets (the loop is unrolled by two): packing P(t)
+        // into the registers P V(t-1) is still reading would make ptxas wait for that product
+        // before the softmax (seen in SASS as wait_group 0 hoisted above the exp2s).
+        uint32_t p_a[BLOCK_N / 16][4], p_b[BLOCK_N / 16][4];
+        auto overlapped_tile = [&](int t, const uint32_t(*p_previous)[4], uint32_t(*p_next)[4]) {
+            const int stage = t % STAGES;
+            const uint32_t parity = (t / STAGES) & 1;
+            const int previous = (t - 1) % STAGES;
+            const uint32_t previous_parity = ((t - 1) / STAGES) & 1;
+            float s_acc[S_REGS];
+            mbar_wait(k_full + 8 * stage, parity);
+            mbar_wait(v_full + 8 * previous, previous_parity);
+            fence_registers<O_REGS>(o_acc);
+            wgmma_fence();
+            issue_s(s_acc, q_tile, s_k + stage * KV_TILE_BYTES);
+            wgmma_commit();
+            issue_pv(o_acc, p_previous, s_v + previous * KV_TILE_BYTES);
+            wgmma_commit();
+            wgmma_wait<1>();  // S(t) has landed
+            fence_registers<S_REGS>(s_acc);
+            mask_scores(s_acc, key_begin + t * BLOCK_N, kv_len, my_row, wg_row0, causal_offset,
+                        lane);
+            float correction[2];
+            softmax_tile(s_acc, row_max, row_sum, correction, scale_log2);
+            pack_p(s_acc, p_next);
+            // P(t-1) V(t-1) has landed after this wait: its slot is free. ptxas schedules a
+            // wait with no operands as early as its basic block allows, i.e. above the
+            // softmax, which would undo the overlap (seen in SASS); behind a branch on the
+            // row sums (which need every exp2 of the tile) it stays below the softmax. The
+            // branch is always taken unless a sum is NaN, and then waits all the same.
+            if (row_sum[0] + row_sum[1] >= 0.f) {
+                wgmma_wait<0>();
+            } else {
+                wgmma_wait<0>();
+                row_sum[0] = NAN;  // keeps the two branches distinct (not merged)
+            }
+            fence_registers<O_REGS>(o_acc);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(kv_empty + 8 * previous);
+            rescale_o(o_acc, correction);
+        };
+        auto last_product = [&](const uint32_t(*p_last)[4]) {
+            const int last = (n_tiles - 1) % STAGES;
+            mbar_wait(v_full + 8 * last, ((n_tiles - 1) / STAGES) & 1);
+            fence_registers<O_REGS>(o_acc);
+            wgmma_fence();
+            issue_pv(o_acc, p_last, s_v + last * KV_TILE_BYTES);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers<O_REGS>(o_acc);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(kv_empty + 8 * last);
+        };
+        if (n_tiles > 0) {
+            float s_acc[S_REGS];
+            mbar_wait(k_full, 0);
+            wgmma_fence();
+            issue_s(s_acc, q_tile, s_k);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers<S_REGS>(s_acc);
+#if DEBUG_S
+            debug_store_s(s_acc, partial_o, bh, seq_len, my_row, lane);
+#endif
+            mask_scores(s_acc, key_begin, kv_len, my_row, wg_row0, causal_offset, lane);
+            float correction[2];
+            softmax_tile(s_acc, row_max, row_sum, correction, scale_log2);  // O is still 0
+            pack_p(s_acc, p_a);
+        }
+        int t = 1;
+        for (; t + 1 < n_tiles; t += 2) {
+            overlapped_tile(t, p_a, p_b);
+            overlapped_tile(t + 1, p_b, p_a);
+        }
+        if (t < n_tiles) {
+            overlapped_tile(t, p_a, p_b);
+            last_product(p_b);
+        } else if (n_tiles > 0) {
+            last_product(p_a);
+        }
+#endif
 
         // ---- epilogue: finish the row sums across the four lanes of a row
 #pragma unroll

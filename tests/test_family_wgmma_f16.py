@@ -68,10 +68,11 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
     assert p.feasible, p.reason
     assert p.launch.block == (384, 1, 1) and p.launch.grid == (32, 1, 64)
     assert p.launch.shared_bytes == 164920 and p.rows_per_block == 128
-    assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/s1"
+    assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/o0/s1"
     assert FAMILY.compile_defines(p) == {
         "HEAD_DIM": 128, "CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "CAUSAL": 0,
-        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240,
+        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PRODUCER_REGISTERS": 24,
+        "CONSUMER_REGISTERS": 240,
     }
     # every define is a macro the kernel reads
     text = KERNEL.read_text()
@@ -111,6 +112,11 @@ def test_the_register_split_is_judged(registered: None) -> None:
     # 64K registers: 24 x 128 for the producer, 240 a consumer thread (the cap)
     assert consumer_registers(2, 1, 65536) == 240 and consumer_registers(1, 2, 65536) == 232
     assert consumer_registers_needed(128, 128) == 64 + 64 + 32 + 48
+    # the overlap keeps two P sets: 240 at head_dim 128 with 128-key tiles (ptxas: R231 the
+    # highest register of that build), so it fits two consumers but not two blocks an SM
+    assert consumer_registers_needed(128, 128, overlap=True) == 240
+    assert plan(overlap=1).feasible
+    assert plan(overlap=2).reason == "overlap=2: 0 or 1"
     small = dataclasses.replace(H200, registers_per_sm=32768)
     p = plan(device=small)  # (256 - 24) / 2 = 116, 112 in steps of 8; 208 needed
     assert not p.feasible and "needs about 208 registers; setmaxnreg can give 112" in p.reason
@@ -145,17 +151,18 @@ def test_launching_through_the_seam_is_refused_clearly(registered: None) -> None
     stages=st.sampled_from([2, 3, 4]),
     blocks_per_sm=st.sampled_from([1, 2]),
     split_target=st.sampled_from([1, 2, 8, 1 << 16]),
+    overlap=st.sampled_from([0, 1]),
 )
 def test_feasible_plans_keep_the_kernels_contract(
     seq_len: int, extra_keys: int, head_dim: int, causal: bool, consumers: int, block_n: int,
-    stages: int, blocks_per_sm: int, split_target: int,
+    stages: int, blocks_per_sm: int, split_target: int, overlap: int,
 ) -> None:
     families.register(FAMILY)
     try:
         problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
                           dtype="bfloat16", kv_len=seq_len + extra_keys)
         p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
-                 blocks_per_sm=blocks_per_sm, split_target=split_target)
+                 blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap)
     finally:
         families.unregister(FAMILY.name)
     if not p.feasible:

@@ -6,7 +6,9 @@ needs). This module is the family's planning half, tested on CPU, so that the de
 first parity run is followed by registration, not by writing the planner.
 
 A block is one producer warpgroup (one thread issues TMA loads) and ``consumers``
-consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``). K/V tiles of
+consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``); with
+``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor
+cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles of
 ``block_n`` keys stream through a ``stages``-deep ring in shared memory in the 128-byte
 swizzle; S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators in
 the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
@@ -93,9 +95,11 @@ def consumer_registers(consumers: int, blocks_per_sm: int, registers_per_sm: int
     return min(MAX_CONSUMER_REGISTERS, share // SETMAXNREG_STEP * SETMAXNREG_STEP)
 
 
-def consumer_registers_needed(block_n: int, head_dim: int) -> int:
-    """S and O accumulators (m64nN f32: N / 2 a thread), P's 16-bit pairs (block_n / 4)."""
-    return block_n // 2 + head_dim // 2 + block_n // 4 + CONSUMER_OVERHEAD_REGISTERS
+def consumer_registers_needed(block_n: int, head_dim: int, overlap: bool = False) -> int:
+    """S and O accumulators (m64nN f32: N / 2 a thread), P's 16-bit pairs (block_n / 4;
+    two sets with ``overlap``: P(t) is packed while P V(t-1) still reads P(t-1))."""
+    p_sets = 2 if overlap else 1
+    return block_n // 2 + head_dim // 2 + p_sets * block_n // 4 + CONSUMER_OVERHEAD_REGISTERS
 
 
 def tma_verdict(head_dim: int, rows: int, heads: int, box_rows: int) -> str:
@@ -133,6 +137,7 @@ class WgmmaF16(KernelFamily):
         Tunable("block_n", 128, BLOCK_NS),
         Tunable("stages", 2, (2, 3, 4)),
         Tunable("blocks_per_sm", 1, (1, 2)),
+        Tunable("overlap", 0, (0, 1)),
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
     )
     heatmap_axes = ("block_n", "consumers")
@@ -155,7 +160,7 @@ class WgmmaF16(KernelFamily):
         keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
         shared = wgmma_f16_shared_bytes(consumers, block_n, stages, d)
         registers = consumer_registers(consumers, blocks_per_sm, device.registers_per_sm)
-        needed = consumer_registers_needed(block_n, d)
+        needed = consumer_registers_needed(block_n, d, bool(params.overlap))
         row_blocks = div_ceil(n, block_m)
 
         reason = ""
@@ -171,6 +176,8 @@ class WgmmaF16(KernelFamily):
             reason = f"block_n={block_n} is not one of {BLOCK_NS}"
         elif not 2 <= stages <= 4:
             reason = f"stages={stages}: the ring holds 2 to 4 stages"
+        elif params.overlap not in (0, 1):
+            reason = f"overlap={params.overlap}: 0 or 1"
         elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
             reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
         if not reason:
@@ -261,6 +268,7 @@ class WgmmaF16(KernelFamily):
             "CAUSAL": int(p.causal),
             "IS_FP16": int(p.dtype == "float16"),
             "BLOCKS_PER_SM": params.blocks_per_sm,
+            "OVERLAP": params.overlap,
             "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
             # Every sm_90 part has 64K registers an SM (plans carry no device profile).
             "CONSUMER_REGISTERS": consumer_registers(
@@ -272,7 +280,7 @@ class WgmmaF16(KernelFamily):
         params = plan.params
         return (
             f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
-            f"/b{params.blocks_per_sm}/s{plan.sequence_splits}"
+            f"/b{params.blocks_per_sm}/o{params.overlap}/s{plan.sequence_splits}"
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
