@@ -22,10 +22,11 @@
 //   is the register-A fragment layout of the next wgmma (as with mma.sync m16n8k16);
 //   O += P V: BLOCK_N / 16 wgmma m64n{HEAD_DIM}k16, A = P from registers, B = V from shared
 //   memory, MN-major (head_dim contiguous), i.e. imm-trans-b = 1.
-// This first version waits for each GEMM before the softmax that reads it (no
-// intra-warpgroup overlap of softmax(t) with P V(t-1), no ping-pong named barriers
-// between the two consumers); with CONSUMERS = 2 the warp schedulers still interleave
-// one group's softmax with the other's wgmma.
+// OVERLAP = 0 waits for each GEMM before the softmax that reads it; OVERLAP = 1 is
+// FlashAttention-3's intra-warpgroup overlap (the softmax of S(t) runs while P V(t-1) is
+// in the tensor cores; see the consumer loop). No ping-pong named barriers between the two
+// consumers yet; with CONSUMERS = 2 the warp schedulers interleave one group's softmax
+// with the other's wgmma on their own.
 //
 // Shared memory: every tile of R rows x HEAD_DIM is stored as HEAD_DIM / 64 column
 // chunks of R rows x 128 bytes (64 elements), each chunk in the 128-byte swizzle
