@@ -46,7 +46,13 @@ def test_the_fake_implementation_propagates_shape_dtype_and_device(fake_mode, dt
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
-        (lambda: (fake(), fake((2, 4, 65, 32)), fake()), AttentionInputError, r"^k has shape"),
+        # k may be longer than q (a KV cache) but v must match it
+        (lambda: (fake(), fake((2, 4, 65, 32)), fake()), AttentionInputError, r"^v has shape"),
+        (
+            lambda: (fake(), fake((2, 4, 64, 16)), fake((2, 4, 64, 16))),
+            AttentionInputError,
+            r"head_dim",
+        ),
         (
             lambda: (fake(), fake(), fake(dtype=torch.float16)),
             AttentionInputTypeError,
@@ -106,7 +112,7 @@ def test_compile_fullgraph_puts_one_op_where_the_call_was(fake_mode) -> None:
     targets = backend.targets()
     assert targets.count(OPS.attention.default) == 1 and len(targets) == 3
     (node,) = [n for n in backend.graphs[0].graph.nodes if n.target == OPS.attention.default]
-    assert node.args[3:] == (True, None, False)  # causal, registry, nearest
+    assert node.args[3:] == (True, None, False, None)  # causal, registry, nearest, precision
 
 
 def test_compile_fullgraph_of_out_and_of_an_instance(fake_mode) -> None:
@@ -121,7 +127,15 @@ def test_compile_fullgraph_of_out_and_of_an_instance(fake_mode) -> None:
     assert result.shape == q.shape
     (graph,) = backend.graphs
     (node,) = [n for n in graph.graph.nodes if n.target == OPS.attention_into.default]
-    assert node.args[4:] == (False, "sqlite:///plans.sqlite", True)
+    assert node.args[4:] == (False, "sqlite:///plans.sqlite", True, None)
+
+
+def test_compile_fullgraph_carries_the_precision(fake_mode) -> None:
+    backend = Captured()
+    q, k, v = (fake(dtype=torch.float32) for _ in range(3))
+    torch.compile(Block(precision="tf32"), fullgraph=True, backend=backend)(q, k, v)
+    (node,) = [n for n in backend.graphs[0].graph.nodes if n.target == OPS.attention.default]
+    assert node.args[3:] == (True, None, False, "tf32")
 
 
 def test_compile_refuses_an_open_registry_handle_and_bad_causal(fake_mode) -> None:

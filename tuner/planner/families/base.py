@@ -25,7 +25,14 @@ import numpy as np
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import BufferElements, DeviceBuffers, KernelLaunch, kernel_launch
+from tuner.planner.launches import (
+    BufferElements,
+    DeviceBuffers,
+    KernelLaunch,
+    kernel_launch,
+    pointers,
+    scale_log2,
+)
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan
 from tuner.problem import Problem
@@ -267,6 +274,29 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
         rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * (tile // 2 + offset)
     )
     return min(causal, padded_rows * padded_keys)
+
+
+def split_kv_launches(
+    plan: KernelPlan, buffers: DeviceBuffers, attention_function: str, merge_function: str
+) -> tuple[KernelLaunch, ...]:
+    """The launches of a family on the split-KV contract, which every tiled and tensor-core
+    family keeps: ``attention_function(q, k, v, out, partial_o, partial_stats, seq_len,
+    kv_len, group, keys_per_split, scale_log2)`` on ``plan.launch``, then the split merge
+    (``with_split_merge``) when there are splits."""
+    p = plan.problem
+    attention = kernel_launch(
+        plan.launch,
+        attention_function,
+        (
+            *pointers(buffers),
+            np.int32(p.seq_len),
+            np.int32(p.kv_len),
+            np.int32(p.group),
+            np.int32(plan.keys_per_sequence_split),
+            np.float32(scale_log2(p.head_dim)),
+        ),
+    )
+    return with_split_merge(plan, attention, merge_function, buffers)
 
 
 def with_split_merge(

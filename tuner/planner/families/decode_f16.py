@@ -22,8 +22,6 @@ the head of ``kernels/decode_f16.cu``).
 
 from __future__ import annotations
 
-import numpy as np
-
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.families.base import (
@@ -33,10 +31,10 @@ from tuner.planner.families.base import (
     checked_u32,
     larger_than_needed,
     launch_verdict,
-    with_split_merge,
+    split_kv_launches,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import DeviceBuffers, KernelLaunch, kernel_launch, pointers, scale_log2
+from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
 from tuner.problem import Problem
@@ -216,26 +214,7 @@ class DecodeF16(KernelFamily):
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
-        p = plan.problem
-        q, k, v, out, partial_o, partial_lse = pointers(buffers)
-        attention = kernel_launch(
-            plan.launch,
-            "decode_f16_attention",
-            (
-                q,
-                k,
-                v,
-                out,
-                partial_o,
-                partial_lse,
-                np.int32(p.seq_len),
-                np.int32(p.kv_len),
-                np.int32(p.group),
-                np.int32(plan.keys_per_sequence_split),
-                np.float32(scale_log2(p.head_dim)),
-            ),
-        )
-        return with_split_merge(plan, attention, "decode_f16_split_merge", buffers)
+        return split_kv_launches(plan, buffers, "decode_f16_attention", "decode_f16_split_merge")
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         """Per tile and block: the cp.async stores of K and V, every warp's ldmatrix reads

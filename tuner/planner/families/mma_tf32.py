@@ -22,8 +22,6 @@ block and ``stages`` (K, V) tile pairs.
 
 from __future__ import annotations
 
-import numpy as np
-
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.families.base import (
@@ -35,10 +33,10 @@ from tuner.planner.families.base import (
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
-    with_split_merge,
+    split_kv_launches,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import DeviceBuffers, KernelLaunch, kernel_launch, pointers, scale_log2
+from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
 from tuner.planner.seed import sequence_parallel_splits, split_reduce_scratch_elements
@@ -228,27 +226,7 @@ class MmaTf32(KernelFamily):
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
-        p = plan.problem
-        q, k, v, out, partial_o, partial_lse = pointers(buffers)
-        seq_len = np.int32(p.seq_len)
-        attention = kernel_launch(
-            plan.launch,
-            "mma_tf32_attention",
-            (
-                q,
-                k,
-                v,
-                out,
-                partial_o,
-                partial_lse,
-                seq_len,
-                np.int32(p.kv_len),
-                np.int32(p.group),
-                np.int32(plan.keys_per_sequence_split),
-                np.float32(scale_log2(p.head_dim)),
-            ),
-        )
-        return with_split_merge(plan, attention, "mma_tf32_split_merge", buffers)
+        return split_kv_launches(plan, buffers, "mma_tf32_attention", "mma_tf32_split_merge")
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         """Per K/V tile and warp: ldmatrix reads of Q's rows and of the K tile, scalar

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.families.base import (
@@ -31,10 +29,10 @@ from tuner.planner.families.base import (
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
-    with_split_merge,
+    split_kv_launches,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import DeviceBuffers, KernelLaunch, kernel_launch, pointers, scale_log2
+from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
 from tuner.planner.seed import (
@@ -240,34 +238,12 @@ class Tiled(KernelFamily):
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
-        p = plan.problem
         if plan.launch.grid[1] != plan.sequence_splits:
             # The kernel tells one split from several by gridDim.y.
             raise ValueError(
                 f"{plan.key()}: grid {plan.launch.grid} does not launch one column per split"
             )
-        q, k, v, out, partial_o, partial_ml = pointers(buffers)
-        seq_len = np.int32(p.seq_len)
-        scale = np.float32(scale_log2(p.head_dim))
-        keys_per_split = np.int32(plan.keys_per_sequence_split)
-        attention = kernel_launch(
-            plan.launch,
-            "tiled_attention",
-            (
-                q,
-                k,
-                v,
-                out,
-                partial_o,
-                partial_ml,
-                seq_len,
-                np.int32(p.kv_len),
-                np.int32(p.group),
-                keys_per_split,
-                scale,
-            ),
-        )
-        return with_split_merge(plan, attention, "split_merge", buffers)
+        return split_kv_launches(plan, buffers, "tiled_attention", "split_merge")
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         """Shared traffic per K/V tile: a thread reads its ``rows_per_thread`` Q rows and
