@@ -1,9 +1,7 @@
-"""The wgmma_f16 planning module (issue 14): feasibility, partition, defines, kept out of searches.
+"""The wgmma_f16 planning module (issue 14): feasibility, partition, defines, launches.
 
-Pure: no GPU, no compiler. The family is NOT registered (its kernel has not run on a GPU);
-these tests register it for their own duration only, and check that it is absent otherwise.
-The shared-memory formula is checked against the numbers of ``kernels/wgmma_f16.cu``'s
-SMEM_BYTES, and the compile defines against the kernel's macros.
+Pure: no GPU, no compiler. The shared-memory formula is checked against the numbers of
+``kernels/wgmma_f16.cu``'s SMEM_BYTES, and the compile defines against the kernel's macros.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuner.device import H200
-from tuner.errors import BackendError
 from tuner.planner import families
 from tuner.planner.families.wgmma_f16 import (
     FAMILY,
@@ -28,7 +25,7 @@ from tuner.planner.families.wgmma_f16 import (
     tma_verdict,
     wgmma_f16_shared_bytes,
 )
-from tuner.planner.launches import DeviceBuffers
+from tuner.planner.launches import DeviceBuffers, TensorMap
 from tuner.planner.params import KernelParams
 from tuner.problem import Problem
 
@@ -38,20 +35,19 @@ BF16 = Problem(4096, 128, batch=4, heads=16, dtype="bfloat16")
 
 @pytest.fixture
 def registered() -> Iterator[None]:
-    families.register(FAMILY)
-    try:
-        yield
-    finally:
-        families.unregister(FAMILY.name)
+    assert families.family_named(FAMILY.name) is FAMILY
+    yield
 
 
 def plan(problem: Problem = BF16, device=H200, **tunables: int):
     return FAMILY.plan(problem, KernelParams("wgmma_f16", **tunables), device)
 
 
-def test_it_is_not_registered_so_no_search_proposes_it() -> None:
-    assert "wgmma_f16" not in families.family_names()
-    assert "wgmma_f16" not in families.families_for("bfloat16")
+def test_it_is_registered_for_the_half_dtypes_only() -> None:
+    assert "wgmma_f16" in families.family_names()
+    assert "wgmma_f16" in families.families_for("bfloat16")
+    assert "wgmma_f16" in families.families_for("float16")
+    assert "wgmma_f16" not in families.families_for("float32")
 
 
 def test_shared_bytes_follow_the_kernels_layout() -> None:
@@ -135,9 +131,35 @@ def test_tma_and_swizzle_limits() -> None:
     assert "1024-byte atoms" in swizzle_verdict(1, 64, 2, 96)
 
 
-def test_launching_through_the_seam_is_refused_clearly(registered: None) -> None:
-    with pytest.raises(BackendError, match="CUtensorMap arguments"):
-        FAMILY.launches(plan(), DeviceBuffers(1, 2, 3, 4))
+def test_launches_lead_with_the_three_tensor_maps(registered: None) -> None:
+    problem = Problem(1000, 128, batch=2, heads=16, kv_heads=4, kv_len=1500, dtype="float16")
+    p = plan(problem, consumers=2, block_n=64, stages=3)
+    (attention,) = FAMILY.launches(p, DeviceBuffers(0x1000, 0x2000, 0x3000, 0x4000))
+    q_map, k_map, v_map = attention.args[:3]
+    assert all(isinstance(m, TensorMap) for m in (q_map, k_map, v_map))
+    assert (q_map.buffer, q_map.address) == ("q", 0x1000)
+    assert (k_map.buffer, k_map.address, v_map.buffer, v_map.address) == ("k", 0x2000, "v", 0x3000)
+    # [heads][rows][head_dim] row-major, 64-column boxes (one 128-byte swizzle row)
+    assert q_map.dims == (128, 1000, 32) and q_map.box == (64, 64, 1)
+    assert q_map.strides_bytes == (256, 1000 * 256)
+    assert k_map.dims == v_map.dims == (128, 1500, 8) and k_map.box == (64, 64, 1)
+    assert k_map.strides_bytes == (256, 1500 * 256)
+    assert {m.dtype for m in (q_map, k_map, v_map)} == {"float16"}
+    assert {m.swizzle_bytes for m in (q_map, k_map, v_map)} == {128}
+    # then the split-KV contract: pointers, seq_len, kv_len, group, keys_per_split, scale
+    assert [int(a) for a in attention.args[3:7]] == [0x1000, 0x2000, 0x3000, 0x4000]
+    assert [int(a) for a in attention.args[9:13]] == [1000, 1500, 4, p.keys_per_sequence_split]
+    assert attention.block == (384, 1, 1) and attention.grid == (8, 1, 32)
+
+
+def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> None:
+    problem = Problem(64, 64, batch=1, heads=4, kv_len=8192, dtype="bfloat16")
+    p = plan(problem, consumers=1, block_n=128, stages=2, split_target=8)
+    assert p.feasible and p.sequence_splits > 1
+    attention, merge = FAMILY.launches(p, DeviceBuffers(16, 32, 48, 64, 80, 96))
+    assert isinstance(attention.args[0], TensorMap)
+    assert merge.function == "wgmma_f16_split_merge"
+    assert not any(isinstance(a, TensorMap) for a in merge.args)
 
 
 @settings(max_examples=150, deadline=None)
@@ -157,14 +179,10 @@ def test_feasible_plans_keep_the_kernels_contract(
     seq_len: int, extra_keys: int, head_dim: int, causal: bool, consumers: int, block_n: int,
     stages: int, blocks_per_sm: int, split_target: int, overlap: int,
 ) -> None:
-    families.register(FAMILY)
-    try:
-        problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
-                          dtype="bfloat16", kv_len=seq_len + extra_keys)
-        p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
-                 blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap)
-    finally:
-        families.unregister(FAMILY.name)
+    problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
+                      dtype="bfloat16", kv_len=seq_len + extra_keys)
+    p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
+             blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap)
     if not p.feasible:
         assert p.reason
         return

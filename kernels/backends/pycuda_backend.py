@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from kernels import build, precision
+from kernels import build, precision, tensor_maps
 from kernels.backends.base import Backend, Failure, Measurement
+from kernels.cuda_driver import libcuda
 from kernels.launch import (
     BufferElements,
     DeviceBuffers,
@@ -48,6 +49,7 @@ from kernels.timing import TimingStats, throughput, time_repetitions
 from tuner.device import H200, PROFILES, DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError
+from tuner.planner.launches import TensorMap
 from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel, scalar_shared_bytes
 from tuner.problem import Problem
@@ -103,6 +105,31 @@ class _ProblemState:
     partial_ml: Any = None
     partial_capacity: BufferElements | None = None
     scalar_output: np.ndarray | None = None
+
+
+def _with_encoded_tensor_maps(launches: tuple[KernelLaunch, ...]) -> tuple[KernelLaunch, ...]:
+    """The launches with every ``TensorMap`` argument encoded once, as PyCUDA passes a
+    by-value struct; a map the driver refuses makes the plan unlaunchable (RESOURCES)."""
+    if not any(isinstance(a, TensorMap) for launch in launches for a in launch.args):
+        return launches
+    library = libcuda()
+    if library is None:
+        raise BackendError("TMA descriptors need the CUDA driver library (libcuda)")
+    try:
+        return tuple(
+            replace(
+                launch,
+                args=tuple(
+                    tensor_maps.pycuda_argument(tensor_maps.encode(a, library))
+                    if isinstance(a, TensorMap)
+                    else a
+                    for a in launch.args
+                ),
+            )
+            for launch in launches
+        )
+    except BackendError as error:
+        raise _LaunchRefused(str(error)) from error
 
 
 class PyCudaBackend(Backend):
@@ -354,7 +381,7 @@ class PyCudaBackend(Backend):
         """The problem's state and a closure launching ``plan`` once (nothing run yet)."""
         state = self._problem_state(drv, plan.problem)
         functions = self.functions(drv, compiled)
-        launches = launch_sequence(plan, self._buffers(drv, state, plan))
+        launches = _with_encoded_tensor_maps(launch_sequence(plan, self._buffers(drv, state, plan)))
 
         def run() -> None:
             self._launch(drv, functions, launches)

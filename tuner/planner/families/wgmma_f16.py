@@ -1,10 +1,5 @@
 """``wgmma_f16`` (``kernels/wgmma_f16.cu``): Hopper FlashAttention forward on ``wgmma.mma_async``.
 
-NOT REGISTERED in ``tuner.planner.families``: the kernel has not run on a GPU yet
-(issue 14; ``bench/results/wgmma_groundwork_2026-12-03/README.md`` says what registration
-needs). This module is the family's planning half, tested on CPU, so that the device's
-first parity run is followed by registration, not by writing the planner.
-
 A block is one producer warpgroup (one thread issues TMA loads) and ``consumers``
 consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``); with
 ``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor
@@ -25,7 +20,6 @@ and the swizzle's 1024-byte alignment of every tile.
 from __future__ import annotations
 
 from tuner.device import DeviceProfile
-from tuner.errors import BackendError
 from tuner.planner.errors import PlanError
 from tuner.planner.families.base import (
     CostTerms,
@@ -36,10 +30,11 @@ from tuner.planner.families.base import (
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
+    split_kv_launches,
 )
 from tuner.planner.families.mma_f16 import DEFAULT_SPLIT_TARGETS
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import DeviceBuffers, KernelLaunch
+from tuner.planner.launches import DeviceBuffers, KernelLaunch, TensorMap
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, occupancy_and_waves
 from tuner.planner.seed import sequence_parallel_splits, split_reduce_scratch_elements
@@ -124,6 +119,36 @@ def swizzle_verdict(consumers: int, block_n: int, stages: int, head_dim: int) ->
     if head_dim * ELEMENT_BYTES % SWIZZLE_ROW_BYTES or misaligned:
         return f"tiles at {misaligned[:3]} B miss the 128-byte swizzle's 1024-byte atoms"
     return ""
+
+
+def wgmma_tensor_maps(
+    plan: KernelPlan, buffers: DeviceBuffers
+) -> tuple[TensorMap, TensorMap, TensorMap]:
+    """The kernel's Q, K and V maps: 3-D ``{head_dim, rows, heads}`` (row-major
+    ``[heads][rows][head_dim]``), a box of 64 columns (one 128-byte swizzle row) by a
+    consumer's 64 query rows or a ``block_n``-key tile, 128-byte swizzle. Rows past a head's
+    end read as zeros, which the kernel masks (keys) or does not store (queries)."""
+    p = plan.problem
+    d, row_bytes = p.head_dim, p.head_dim * ELEMENT_BYTES
+
+    def map_over(buffer: str, address: int, rows: int, heads: int, box_rows: int) -> TensorMap:
+        return TensorMap(
+            buffer=buffer,
+            address=address,
+            dtype=p.dtype,
+            dims=(d, rows, heads),
+            strides_bytes=(row_bytes, rows * row_bytes),
+            box=(SWIZZLE_ROW_BYTES // ELEMENT_BYTES, box_rows, 1),
+            swizzle_bytes=SWIZZLE_ROW_BYTES,
+        )
+
+    kv_heads = p.batch * p.kv_heads
+    block_n = plan.params.block_n
+    return (
+        map_over("q", buffers.q, p.seq_len, p.batch_heads, WARPGROUP_ROWS),
+        map_over("k", buffers.k, p.kv_len, kv_heads, block_n),
+        map_over("v", buffers.v, p.kv_len, kv_heads, block_n),
+    )
 
 
 class WgmmaF16(KernelFamily):
@@ -284,20 +309,17 @@ class WgmmaF16(KernelFamily):
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
-        """The seam's launches carry pointers and scalars; this kernel's first three arguments
-        are 128-byte CUtensorMap structs encoded per buffer (bench/wgmma_probe.py builds them).
-        Until ``KernelLaunch`` can carry them, the family cannot launch through the seam:
-        a clear run-level error rather than a launch with wrong arguments."""
-        raise BackendError(
-            f"{plan.key()}: wgmma_f16 takes CUtensorMap arguments, which the launch seam "
-            "does not carry yet (issue 14); run it through bench/wgmma_probe.py"
+        """The split-KV contract's launches, the attention kernel's led by its three tensor
+        maps (Q, K, V)."""
+        return split_kv_launches(
+            plan, buffers, *self.entry_functions, leading=wgmma_tensor_maps(plan, buffers)
         )
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
         """Shared traffic per K/V tile: each consumer's wgmma reads its Q rows and the K tile
         (S) and the V tile (P V) from shared memory; the TMA writes K and V once a block.
         ``ilp``: wgmma chains are asynchronous, one S and one O accumulator set a consumer.
-        The matmul pipe is the mma.sync one until the cost model has a wgmma rate."""
+        """
         p, params = plan.problem, plan.params
         d, bh, n = p.head_dim, p.batch_heads, p.seq_len
         block_n, consumers = params.block_n, params.consumers
@@ -306,7 +328,7 @@ class WgmmaF16(KernelFamily):
         executed = executed_pairs(plan, block_m)
         block_tiles = executed // (block_m * block_n)
         return CostTerms(
-            matmul_pipe="mma_sync_f16",
+            matmul_pipe="wgmma_f16",
             executed_pairs=executed,
             exps=bh * executed + bh * n * plan.tile_count,
             shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
