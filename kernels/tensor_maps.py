@@ -4,9 +4,9 @@ A kernel that loads with the tensor memory accelerator (``cp.async.bulk.tensor``
 descriptors as ``const __grid_constant__ CUtensorMap`` parameters: 128 opaque bytes that
 ``cuTensorMapEncodeTiled`` writes on the host (no context needed) from the buffer's address,
 shape, strides, box and swizzle. ``EncodedTensorMap`` holds them 64-byte aligned, as the
-driver requires; both launch paths pass its bytes by value: PyCUDA's as an ``np.void`` of
-128 bytes (``pycuda_argument``), the deploy path's ``cuLaunchKernel`` through the ctypes
-array itself, whose address goes into ``kernelParams``. ``cuTensorMapReplaceAddress``
+driver requires; the launches pass the ctypes array itself by value: its address goes into
+``cuLaunchKernel``'s ``kernelParams`` (the deploy handle's and, for TMA plans, the PyCUDA
+backend's launches alike). ``cuTensorMapReplaceAddress``
 re-points an encoded map at another buffer of the same shape (the deploy path's per-call
 q, k, v), which costs a host call, not a re-encode.
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import ctypes
 from typing import Any
-
-import numpy as np
 
 from tuner.errors import BackendError
 from tuner.planner.launches import TensorMap
@@ -92,8 +90,3 @@ def replace_address(encoded: EncodedTensorMap, address: int, library: Any) -> No
             f"(TMA needs 16-byte aligned addresses): CUDA error {status}"
         )
     encoded.address = address
-
-
-def pycuda_argument(encoded: EncodedTensorMap) -> np.void:
-    """The map as PyCUDA passes a by-value struct: an ``np.void`` of its 128 bytes."""
-    return np.frombuffer(encoded.bytes(), dtype=np.dtype((np.void, TENSOR_MAP_BYTES)))[0]
