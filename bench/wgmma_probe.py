@@ -47,7 +47,7 @@ from typing import Any
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "wgmma_f16.cu"
 NAME = re.compile(
     r"wgmma_f16_D(?P<D>\d+)_C(?P<C>\d)_N(?P<N>\d+)_S(?P<S>\d)_K(?P<K>\d)_H(?P<H>\d)_B(?P<B>\d)"
-    r"(?:_O(?P<O>\d))?(?P<G>_dbgS)?(?P<W>_vswap)?"
+    r"(?:_O(?P<O>\d))?(?P<G>_dbgS)?"
 )
 SMEM_PER_BLOCK = 232448  # 227 KB, sm_90's opt-in limit a block
 SMEM_PER_SM = 233472  # 228 KB
@@ -68,14 +68,12 @@ class Variant:
     blocks_per_sm: int
     debug_s: bool = False  # DEBUG_S=1: tile 0's raw scores also go to partial_o
     overlap: bool = False  # OVERLAP=1: FA3's softmax(t) under P V(t-1)
-    v_swap: bool = False  # V_DESCRIPTOR_SWAP=1: V's LBO/SBO exchanged (diagnosis only)
 
     @property
     def name(self) -> str:
         return (f"wgmma_f16_D{self.head_dim}_C{self.consumers}_N{self.block_n}_S{self.stages}"
                 f"_K{int(self.causal)}_H{int(self.fp16)}_B{self.blocks_per_sm}"
-                + ("_O1" if self.overlap else "") + ("_dbgS" if self.debug_s else "")
-                + ("_vswap" if self.v_swap else ""))
+                + ("_O1" if self.overlap else "") + ("_dbgS" if self.debug_s else ""))
 
     @property
     def block_m(self) -> int:
@@ -109,7 +107,7 @@ class Variant:
                 f"-DCAUSAL={int(self.causal)}", f"-DIS_FP16={int(self.fp16)}",
                 f"-DBLOCKS_PER_SM={self.blocks_per_sm}",
                 f"-DCONSUMER_REGISTERS={self.consumer_registers}", f"-DDEBUG_S={int(self.debug_s)}",
-                f"-DOVERLAP={int(self.overlap)}", f"-DV_DESCRIPTOR_SWAP={int(self.v_swap)}"]
+                f"-DOVERLAP={int(self.overlap)}"]
 
     @classmethod
     def parse(cls, stem: str) -> Variant | None:
@@ -118,10 +116,9 @@ class Variant:
             return None
         debug_s = match.group("G") is not None
         overlap = match.group("O") == "1"
-        v_swap = match.group("W") is not None
-        g = {k: int(v) for k, v in match.groupdict().items() if k not in ("G", "O", "W")}
+        g = {k: int(v) for k, v in match.groupdict().items() if k not in ("G", "O")}
         return cls(g["D"], g["C"], g["N"], g["S"], bool(g["K"]), bool(g["H"]), g["B"], debug_s,
-                   overlap, v_swap)
+                   overlap)
 
 
 def variant_grid(overlap: bool = False) -> list[Variant]:
@@ -139,12 +136,10 @@ def variant_grid(overlap: bool = False) -> list[Variant]:
 
 def diagnosis_grid() -> list[Variant]:
     """One DEBUG_S build per head_dim x consumers x key tile x overlap (bf16, non-causal,
-    2 stages), and eight with V's descriptor offsets exchanged (which reading is right)."""
-    grid = [Variant(d, c, n, 2, False, False, 1, debug_s=True, overlap=o)
+    2 stages). (The first device run also had eight builds with V's descriptor offsets
+    exchanged: they faulted, which settled the layout; see the kernel's mn_major_descriptor.)"""
+    return [Variant(d, c, n, 2, False, False, 1, debug_s=True, overlap=o)
             for d, c, n, o in itertools.product((64, 128), (1, 2), (64, 128), (False, True))]
-    # V's descriptor with LBO and SBO exchanged
-    return grid + [Variant(d, c, n, 2, False, False, 1, debug_s=True, v_swap=True)
-                   for d, c, n in itertools.product((64, 128), (1, 2), (64, 128))]
 
 
 # ---------------------------------------------------------------- build (here)

@@ -83,9 +83,6 @@
 #ifndef OVERLAP
 #define OVERLAP 0  // 1: FA3's intra-warpgroup overlap of softmax(t) with P V(t-1)
 #endif
-#ifndef V_DESCRIPTOR_SWAP
-#define V_DESCRIPTOR_SWAP 0  // 1: V's LBO and SBO exchanged (diagnosis of the layout only)
-#endif
 #ifndef DEBUG_S
 #define DEBUG_S 0  // 1: also write tile 0's raw S = Q K^T (fp32) to partial_o (diagnosis)
 #endif
@@ -201,16 +198,11 @@ __device__ __forceinline__ uint64_t k_major_descriptor(uint32_t tile, int rows, 
 }
 // MN-major V tile (BLOCK_N keys x HEAD_DIM), k16 step j of BLOCK_N / 16: LBO = the next 64
 // head_dim columns (the next chunk), SBO = the next 8 keys, as CUTLASS's and ThunderKittens'
-// MN-major 128-byte-swizzle descriptors have it. The PTX ISA's one-line definitions (LBO: next
-// core matrix along K, SBO: along M/N) read the other way round; V_DESCRIPTOR_SWAP=1 builds
-// that reading, so that the first device run can tell them apart (bench/wgmma_probe.py run
-// --diagnose).
+// MN-major 128-byte-swizzle descriptors have it. Confirmed on the H200 (2026-12-03): the
+// other reading (the PTX ISA's one-line LBO/SBO definitions taken literally) faulted with an
+// illegal address; this one passed parity everywhere (bench/results/wgmma_first_run_2026-12-03).
 __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t tile, int j) {
-#if V_DESCRIPTOR_SWAP
-    return make_descriptor(tile + j * 16 * 128, 1024, BLOCK_N * 128);
-#else
     return make_descriptor(tile + j * 16 * 128, BLOCK_N * 128, 1024);
-#endif
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
