@@ -69,6 +69,9 @@ LAUNCH_OVERHEAD_MS = 0.004
 #: takes as long as an m16n8k16 half one with half the flops (sm_80/sm_90 tensor
 #: cores: dense TF32 is half the dense FP16 rate, the datasheets' 495 vs 990 TFLOP/s).
 TF32_RATE_OF_F16 = 0.5
+#: wgmma (sm_90a warpgroup MMA) over mma.sync, per bf16/fp16 flop: the datasheet's dense
+#: 990 TFLOP/s is wgmma's, mma.sync reaches about 2/3 of it (``tuner.device``'s H200 note).
+WGMMA_RATE_OF_MMA_SYNC = 1.5
 #: FP32 lanes per SM over SFU (exp2, rcp) lanes per SM on sm_90: 128 / 16.
 SFU_SLOWDOWN = 8.0
 #: cycles of latency a warp scheduler must cover with independent instructions
@@ -167,6 +170,8 @@ def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:
         return device.peak_mma_f16_tflops * 1e12
     if pipe == "mma_sync_tf32":
         return TF32_RATE_OF_F16 * device.peak_mma_f16_tflops * 1e12
+    if pipe == "wgmma_f16":
+        return WGMMA_RATE_OF_MMA_SYNC * device.peak_mma_f16_tflops * 1e12
     raise ValueError(f"unknown matmul pipe {pipe!r}")
 
 
