@@ -269,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         device = isolated.device_profile() or H200
         backend, cache_dir = isolated, args.cache_dir
     recordings: list[Recording] = []
+    problem = problems[0]
     try:
         for problem in problems:
             began = time.monotonic()
+            print(f"recording {problem.label()}: {', '.join(families[problem])}", flush=True)
             try:
                 recording = record(
                     problem,
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.out_dir is not None:
                 write_atomically(args.out_dir / recording_name(recording), [recording])
             print(f"{summary(recording)} [{time.monotonic() - began:.0f} s]", flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted while recording {problem.label()}: {len(recordings)} shapes written")
+        return 130
     finally:
         backend.close()
     if args.out is not None:
