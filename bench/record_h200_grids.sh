@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The tensor-core grids under bench/data/, recorded in one H200 device call (issue 18).
 #
-#   bash bench/record_h200_grids.sh OUT_DIR CUBIN_CACHE [RECORD_SECONDS]
+#   bash bench/record_h200_grids.sh OUT_DIR CUBIN_CACHE [RECORD_SECONDS [SCRIPT_SECONDS]]
 #
 # Records the whole feasible grid of mma_f16 (bf16 prefill), decode_f16 and
 # mma_f16 (bf16 decode against a KV cache) and mma_tf32 (float32, tf32x3 then
 # tf32) at each shape below, most important first, into OUT_DIR/recordings.json
 # (rewritten after every shape, so a cut-off run keeps the shapes done; one
 # file, since a device call returns few). The recorder gets RECORD_SECONDS
-# (default 430), then SIGINT. If at least 95 s of the script's 505 s are left
-# (a 540 s call less its set-up), it also times the tuner at default settings
+# (default 430), then SIGINT. If at least 95 s of SCRIPT_SECONDS (default 505:
+# a 540 s call less its set-up) are left, it also times the tuner at default settings
 # on 4x16x4096x128 bf16 from a cold cubin cache, next to FlexAttention's
 # max-autotune (bench/evidence_f16.py).
 # Here: `python bench/record_replay.py --split OUT_DIR/recordings.json --out-dir bench/data`.
@@ -17,6 +17,7 @@ set -u
 out=$1
 cache=$2
 record_s=${3:-430}
+script_s=${4:-505}
 began=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
     > "$out/record.log" 2>&1
@@ -34,7 +35,7 @@ timeout -s INT -k 20 "$record_s" python3 bench/record_replay.py --backend pycuda
     --shape 2x16/4x2048x128c:tf32 --shape 4x16x4096x128:tf32 \
     --out "$out/recordings.json" >> "$out/record.log" 2>&1
 echo "recorder exit $? after $((SECONDS - began)) s" >> "$out/record.log"
-left=$((505 - (SECONDS - began)))
+left=$((script_s - (SECONDS - began)))
 if [ "$left" -ge 95 ]; then
     timeout -s INT -k 10 $((left - 5)) python3 bench/evidence_f16.py --out "$out/evidence_f16.json" \
         --work-dir /tmp/ev16 --shapes 4x16x4096x128:bf16 --tune-timeout-s 75 \
