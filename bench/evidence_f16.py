@@ -32,6 +32,7 @@ from evidence import read_best, run_tuning, tune_command
 from speed_check import TorchTimer, timing_record
 
 from kernels.timing import time_repetitions
+from tuner.errors import RegistryError
 from tuner.problem import Problem
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -182,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         entry: dict[str, Any] = {"problem": problem.label()}
         entry["tuning"] = run_tuning(command, work / "tune.log", args.tune_timeout_s)
-        best = read_best(f"sqlite:///{work / 'plans.sqlite'}", problem)
+        try:
+            best = read_best(f"sqlite:///{work / 'plans.sqlite'}", problem)
+        except RegistryError as error:  # the tuning stored nothing: say so, go on
+            best, entry["error"] = None, f"no stored plan: {error} (see {work / 'tune.log'})"
         entry["stored"] = best
         if best is not None:
             entry |= measure(problem, best, cache_dir, args)

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from kernels import tensor_maps
 from tuner.errors import BackendError
+from tuner.planner.launches import TensorMap
 
 #: CUfunction_attribute CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (cuda.h)
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -64,10 +66,14 @@ class PackedLaunch:
     arguments: tuple[Any, ...]
     params: Any
 
-    def values(self) -> tuple[np.uintp | np.int32 | np.float32, ...]:
-        """The arguments as the kernel sees them, typed like ``KernelLaunch.args``."""
+    def values(self) -> tuple[np.uintp | np.int32 | np.float32 | bytes, ...]:
+        """The arguments as the kernel sees them, typed like ``KernelLaunch.args`` (a TMA
+        descriptor as its 128 bytes)."""
         typed = {ctypes.c_void_p: np.uintp, ctypes.c_int32: np.int32, ctypes.c_float: np.float32}
-        return tuple(typed[type(a)](a.value or 0) for a in self.arguments)
+        return tuple(
+            bytes(a) if isinstance(a, ctypes.Array) else typed[type(a)](a.value or 0)
+            for a in self.arguments
+        )
 
 
 def ctypes_argument(value: Any) -> Any:
@@ -138,6 +144,15 @@ class CudaDriver:
         )
         self.check(status, f"{nbytes} B of dynamic shared memory refused")
 
+    def encode_tensor_map(self, spec: TensorMap) -> tensor_maps.EncodedTensorMap:
+        """A TMA descriptor argument (``EncodedTensorMap.value`` is what the kernel takes)."""
+        return tensor_maps.encode(spec, self._library)
+
+    def replace_tensor_map_address(
+        self, encoded: tensor_maps.EncodedTensorMap, address: int
+    ) -> None:
+        tensor_maps.replace_address(encoded, address, self._library)
+
     def unload_module(self, module: int) -> None:
         self._library.cuModuleUnload(ctypes.c_void_p(module))
 
@@ -162,9 +177,7 @@ class CudaDriver:
         self.check(self._library.cuCtxSetCurrent(ctypes.c_void_p(context)), "cuCtxSetCurrent")
 
     def push_context(self, context: int) -> None:
-        self.check(
-            self._library.cuCtxPushCurrent_v2(ctypes.c_void_p(context)), "cuCtxPushCurrent"
-        )
+        self.check(self._library.cuCtxPushCurrent_v2(ctypes.c_void_p(context)), "cuCtxPushCurrent")
 
     def pop_context(self) -> None:
         popped = ctypes.c_void_p()

@@ -42,6 +42,9 @@ from tuner.problem import Problem
 
 ENV = Environment("NVIDIA H200", "9.0", 132, "580.159.04", "13.0", "13.0.88", "2026.1")
 HASHES = {"tiled": "t" * 64, "scalar_online": "s" * 64, "mma_f16": "m" * 64}
+#: the family of the cost model's best half-precision plan for PROBLEM on the H200 profile:
+#: the Hopper family (head_dim 64 and 128 on sm_90; smaller head dims fall to mma_f16)
+HALF_DEFAULT_FAMILY = "wgmma_f16"
 SHAPE = (2, 4, 64, 32)
 PROBLEM = Problem(1000, 64, batch=2, heads=4, causal=True)
 STORED = {"threads": 128, "tile_size": 32, "rows_per_block": 32, "split_target": 4}
@@ -556,7 +559,7 @@ def test_each_dtype_gets_a_default_plan_of_a_family_that_takes_it(dtype: str, ca
     if dtype == "float32":
         assert family in ("scalar_online", "tiled")
     else:
-        assert family == "mma_f16"
+        assert family == HALF_DEFAULT_FAMILY
     assert chosen.plan.key() == default_plan_key(problem)
     (note,) = warnings_of(caplog)
     assert f"falling back to the planner's default plan {chosen.plan.key()}" in note
@@ -568,7 +571,7 @@ def test_a_stored_plan_is_served_for_its_own_dtype_only(registry, caplog) -> Non
     registry.record(PROBLEM, ENV, record())  # float32: tiled
     choosing = chooser(registry)
     fallback = choosing.plan_for(bf16)  # only a float32 row for this shape: never served
-    assert fallback.origin == "default" and fallback.plan.params.family == "mma_f16"
+    assert fallback.origin == "default" and fallback.plan.params.family == HALF_DEFAULT_FAMILY
     assert fallback.warnings[0].startswith(f"no plan for {bf16.label()} in registry")
     registry.record(bf16, ENV, record("mma_f16", HALF_STORED))
     choosing = chooser(registry)
@@ -592,7 +595,7 @@ def test_a_registry_answering_with_another_dtype_is_not_served(registry, caplog)
 
     bf16 = of_dtype(PROBLEM, "bfloat16")
     chosen = chooser(FloatOnly()).plan_for(bf16)
-    assert chosen.origin == "default" and chosen.plan.params.family == "mma_f16"
+    assert chosen.origin == "default" and chosen.plan.params.family == HALF_DEFAULT_FAMILY
     assert chosen.warnings[0].startswith(
         f"registry float-only answered {bf16.label()} with a plan stored for float32; not used"
     )
@@ -602,7 +605,7 @@ def test_a_stored_plan_of_a_family_that_does_not_take_the_dtype_falls_back(regis
     bf16 = of_dtype(PROBLEM, "bfloat16")
     registry.record(bf16, ENV, record())  # a tiled (float32) plan under a bfloat16 shape
     chosen = chooser(registry).plan_for(bf16)
-    assert chosen.origin == "default" and chosen.plan.params.family == "mma_f16"
+    assert chosen.origin == "default" and chosen.plan.params.family == HALF_DEFAULT_FAMILY
     assert "cannot run here: tiled kernels take float32, not bfloat16" in chosen.warnings[0]
 
 

@@ -9,6 +9,7 @@ the real ``CudaDriver`` over a library that never launches; the handle's calls o
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import types
 from typing import Any
@@ -129,3 +130,66 @@ def test_a_slot_keeps_what_its_packed_pointers_point_at() -> None:
     ]
     assert seen[0] == 4096 and seen[4:6] == [1 << 33, 1 << 33]
     assert seen[6:] == pytest.approx([float(value) for value in first[6:]])
+
+
+class TensorMapLibrary:
+    """libcuda's tensor-map calls as this test needs them: the 'encoding' writes the global
+    address and the three dims into the map's first 32 bytes; every call is counted."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+        self.replaced = 0
+
+    def cuLaunchKernel(self, *args: Any) -> int:  # noqa: N802 - the driver's name
+        return 0
+
+    def cuTensorMapEncodeTiled(self, out, dtype, rank, address, dims, strides, box, *rest):  # noqa: N802
+        self.encoded += 1
+        words = (ctypes.c_uint64 * 4)(address.value or 0, *dims[: rank.value])
+        ctypes.memmove(out.value, words, ctypes.sizeof(words))
+        return 0
+
+    def cuTensorMapReplaceAddress(self, tensor_map, address) -> int:  # noqa: N802
+        self.replaced += 1
+        ctypes.c_uint64.from_address(tensor_map.value).value = address.value or 0
+        return 0
+
+
+def test_tensor_map_arguments_are_encoded_once_and_follow_the_call() -> None:
+    """A TMA family's maps over q, k and v: encoded once a slot, re-pointed at the call's
+    buffers only when they moved, and what cuLaunchKernel reads is the re-pointed map."""
+    problem = Problem(1000, 128, batch=2, heads=8, kv_heads=2, kv_len=1500, dtype="bfloat16")
+    params = KernelParams("wgmma_f16", consumers=2, block_n=128, stages=2)
+    plan = plan_kernel(problem, params, H200)
+    assert plan.feasible, plan.reason
+    launches = launch_sequence(plan, attention_handle.BUFFER_MARKERS)
+    templates = attention_handle.launch_templates(launches, {"wgmma_f16_attention": 1})
+    assert [t.buffer for t in templates[0].arguments[:3]] == ["q", "k", "v"]
+    assert templates[0].arguments[3:7] == ("q", "k", "v", "out")
+    library = TensorMapLibrary()
+    handle = attention_handle.AttentionHandle(
+        problem, 0, plan_choice.ChosenPlan(plan, "default"), templates,
+        buffer_elements(plan), cuda_driver.CudaDriver(library=library), None,
+    )
+    slot = handle.new_slot(0, lambda nbytes: (None, 0))
+    assert library.encoded == 3 and len(slot.tensor_maps) == 3
+    (packed,) = slot.packed
+
+    def map_read(index: int) -> list[int]:
+        """The first four words of the 128 bytes the driver would copy for parameter index."""
+        return list((ctypes.c_uint64 * 4).from_address(packed.params[index]))
+
+    assert map_read(1)[1:] == [128, 1500, 4]  # k's dims: head_dim, kv_len, batch x kv heads
+    handle.launch(slot, 0x10000, 0x20000, 0x30000, 0x40000)
+    assert [map_read(i)[0] for i in range(3)] == [0x10000, 0x20000, 0x30000]
+    assert library.replaced == 3
+    handle.launch(slot, 0x10000, 0x20000, 0x30000, 0x50000)  # only out moved
+    assert library.replaced == 3
+    handle.launch(slot, 0x10000, 0x60000, 0x30000, 0x50000)  # k moved
+    assert library.replaced == 4 and map_read(1)[0] == 0x60000
+    alien = launches[0].__class__(
+        "wgmma_f16_attention", (1, 1, 1), (32, 1, 1), 0,
+        (dataclasses.replace(launches[0].args[0], address=64),),
+    )
+    with pytest.raises(BackendError, match=r"tensor map over 'q' at an address"):
+        attention_handle.launch_templates((alien,), {"wgmma_f16_attention": 1})

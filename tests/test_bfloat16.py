@@ -48,3 +48,23 @@ def test_rounding_error_is_at_most_half_an_ulp() -> None:
     # 8 significant bits: half an ulp is 2**-8 relative to the value's binade.
     assert (np.abs(rounded - values) <= np.abs(values) * 2.0**-8).all()
     assert rounded.dtype == np.float32 and rounded.shape == values.shape
+
+
+def test_stored_outputs_read_back_as_exact_float32() -> None:
+    # The backend reads every measured output through from_storage: float32 (not a
+    # float64 copy of a whole large output), and not a bit lost for any dtype.
+    from kernels.precision import from_storage, to_storage
+
+    values = np.random.default_rng(1).standard_normal(4096).astype(np.float32) * 100
+    expected = {
+        "bfloat16": round_to_bfloat16(values),
+        "float16": values.astype(np.float16).astype(np.float32),
+        "float32": values,
+    }
+    for dtype, rounded in expected.items():
+        back = from_storage(to_storage(values, dtype), dtype)
+        assert back.dtype == np.float32, dtype
+        assert np.array_equal(back, rounded), dtype
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    every = from_storage(patterns, "bfloat16")
+    assert np.array_equal(every.view(np.uint32) >> 16, patterns.astype(np.uint32))

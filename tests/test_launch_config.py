@@ -29,6 +29,8 @@ from tuner.device import H200
 from tuner.planner.families.decode_f16 import decode_f16_shared_bytes
 from tuner.planner.families.mma_f16 import mma_f16_shared_bytes
 from tuner.planner.families.mma_tf32 import mma_tf32_shared_bytes
+from tuner.planner.families.wgmma_f16 import wgmma_f16_shared_bytes
+from tuner.planner.launches import KernelLaunch, TensorMap
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import (
     KernelParams,
@@ -55,7 +57,13 @@ PROBLEMS = [
     Problem(100, 32, heads=4, causal=True, kv_heads=2, kv_len=250),
 ]
 #: elem_t is the half-precision family's 16-bit element type (bf16 or fp16)
-C_TYPES = {"float*": np.uintp, "elem_t*": np.uintp, "int": np.int32, "float": np.float32}
+C_TYPES = {
+    "float*": np.uintp,
+    "elem_t*": np.uintp,
+    "int": np.int32,
+    "float": np.float32,
+    "CUtensorMap": TensorMap,
+}
 
 
 def kernel_signatures() -> dict[str, list[type]]:
@@ -69,7 +77,12 @@ def kernel_signatures() -> dict[str, list[type]]:
         for name, params in pattern.findall(text):
             types = []
             for param in params.split(","):
-                words = param.replace("__restrict__", "").replace("const", "").split()
+                words = (
+                    param.replace("__restrict__", "")
+                    .replace("__grid_constant__", "")
+                    .replace("const", "")
+                    .split()
+                )
                 c_type = " ".join(words[:-1]).replace(" *", "*")
                 if words[-1].startswith("*"):
                     c_type += "*"
@@ -89,6 +102,14 @@ def test_signatures_are_found_for_every_entry_function() -> None:
     signatures = kernel_signatures()
     assert set(signatures) == {name for names in build.ENTRY_FUNCTIONS.values() for name in names}
     assert signatures["tiled_attention"] == [np.uintp] * 6 + [np.int32] * 4 + [np.float32]
+
+
+def contract_args(launch: KernelLaunch) -> tuple:
+    """A launch's arguments after its leading TMA descriptors (the split-KV contract's)."""
+    leading = 0
+    while leading < len(launch.args) and isinstance(launch.args[leading], TensorMap):
+        leading += 1
+    return launch.args[leading:]
 
 
 def check_launch(plan: KernelPlan) -> None:
@@ -120,6 +141,18 @@ def check_launch(plan: KernelPlan) -> None:
         assert main.grid == (row_blocks, plan.sequence_splits, p.batch_heads)
         assert (main.args[6], main.args[7], main.args[8]) == (p.seq_len, p.kv_len, p.group)
         assert main.args[9] == plan.keys_per_sequence_split
+        assert plan.keys_per_sequence_split % plan.params.block_n == 0
+    elif plan.family == "wgmma_f16":
+        assert main.shared_bytes == wgmma_f16_shared_bytes(
+            plan.params.consumers, plan.params.block_n, plan.params.stages, p.head_dim
+        )
+        row_blocks = -(-p.seq_len // plan.rows_per_block)
+        assert main.grid == (row_blocks, plan.sequence_splits, p.batch_heads)
+        assert [m.buffer for m in main.args[:3]] == ["q", "k", "v"]
+        assert [m.address for m in main.args[:3]] == [BUFFERS.q, BUFFERS.k, BUFFERS.v]
+        args = contract_args(main)
+        assert (args[6], args[7], args[8]) == (p.seq_len, p.kv_len, p.group)
+        assert args[9] == plan.keys_per_sequence_split
         assert plan.keys_per_sequence_split % plan.params.block_n == 0
     elif plan.family == "decode_f16":
         assert main.shared_bytes == decode_f16_shared_bytes(
@@ -173,7 +206,7 @@ def test_split_plans_merge_with_the_reduce_launch() -> None:
             plan.sequence_splits,
             p.batch_heads * p.seq_len,
         )
-        assert attention.args[4:6] == (BUFFERS.partial_o, BUFFERS.partial_ml)
+        assert contract_args(attention)[4:6] == (BUFFERS.partial_o, BUFFERS.partial_ml)
 
 
 def test_split_buffers_are_the_plans_scratch() -> None:

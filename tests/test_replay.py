@@ -30,6 +30,7 @@ from tuner.device import H200
 from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner import KernelParams, candidate_space, plan_kernel
+from tuner.planner.families import families_for
 from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +212,10 @@ def test_the_recorder_writes_and_appends_recordings(tmp_path):
         feasible = candidate_space(recording.problem, H200).feasible
         assert set(recording.entries) == {plan.key() for plan in feasible}
         assert not recording.measured and recording.environment.gpu_name == "model"
-        assert recording.source_hashes == {f: build.source_hash(f) for f in build.SOURCES}
+        # The hashes name the families the recording holds: the float32 ones with a plan.
+        held = {plan.params.family for plan in feasible}
+        assert held and held <= set(families_for("float32"))
+        assert recording.source_hashes == {f: build.source_hash(f) for f in held}
         assert "--backend model" in recording.command and recording.date.startswith("20")
 
 

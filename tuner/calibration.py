@@ -42,6 +42,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "ffma_efficiency": (0.1, 1.2),
     "mma_f16_efficiency": (0.1, 1.2),
     "mma_tf32_efficiency": (0.1, 1.2),
+    "wgmma_f16_efficiency": (0.1, 1.2),
     "issue_efficiency": (0.1, 2.0),
     "latency_cycles": (4.0, 512.0),
     "max_ilp": (1.0, 256.0),
@@ -57,6 +58,7 @@ START = CostParams(
     ffma_efficiency=0.7,
     mma_f16_efficiency=0.7,
     mma_tf32_efficiency=0.7,
+    wgmma_f16_efficiency=0.7,
     issue_efficiency=1.0,
     latency_cycles=48.0,
     max_ilp=32.0,
@@ -67,6 +69,7 @@ _PIPE_CONSTANTS = {
     "ffma": "ffma_efficiency",
     "mma_sync_f16": "mma_f16_efficiency",
     "mma_sync_tf32": "mma_tf32_efficiency",
+    "wgmma_f16": "wgmma_f16_efficiency",
 }
 #: plans from which a (grid, family) group weighs fully in the loss: one measured plan
 #: (a tuned plan's time, no grid) pins the absolute scale without outweighing a grid

@@ -74,11 +74,14 @@ LAUNCH_OVERHEAD_MS = 0.004
 #: takes as long as an m16n8k16 half one with half the flops (sm_80/sm_90 tensor
 #: cores: dense TF32 is half the dense FP16 rate, the datasheets' 495 vs 990 TFLOP/s).
 TF32_RATE_OF_F16 = 0.5
+#: wgmma (sm_90a warpgroup MMA) over mma.sync, per bf16/fp16 flop: the datasheet's dense
+#: 990 TFLOP/s is wgmma's, mma.sync reaches about 2/3 of it (``tuner.device``'s H200 note).
+WGMMA_RATE_OF_MMA_SYNC = 1.5
 #: FP32 lanes per SM over SFU (exp2, rcp) lanes per SM on sm_90: 128 / 16.
 SFU_SLOWDOWN = 8.0
 WARP_SCHEDULERS_PER_SM = 4
 #: the pipes, in the order of ``CostParams.matmul_efficiency``
-PIPES: tuple[MatmulPipe, ...] = ("ffma", "mma_sync_f16", "mma_sync_tf32")
+PIPES: tuple[MatmulPipe, ...] = ("ffma", "mma_sync_f16", "mma_sync_tf32", "wgmma_f16")
 #: the calibrated constants shipped with the package (``bench/calibrate_costmodel.py``)
 CALIBRATION_FILE = Path(__file__).with_name("costmodel_calibration.json")
 
@@ -101,6 +104,7 @@ class CostParams:
     ffma_efficiency: float = 1.0
     mma_f16_efficiency: float = 1.0
     mma_tf32_efficiency: float = 1.0
+    wgmma_f16_efficiency: float = 1.0
     #: achieved fraction of the FP32 issue rate for the non-matmul instructions
     issue_efficiency: float = 1.0
     #: cycles of latency a scheduler must cover with warps x independent instructions
@@ -114,9 +118,12 @@ class CostParams:
     overlap_synchronous: float = 64.0
 
     def efficiency_of(self, pipe: MatmulPipe) -> float:
-        return (self.ffma_efficiency, self.mma_f16_efficiency, self.mma_tf32_efficiency)[
-            PIPES.index(pipe)
-        ]
+        return (
+            self.ffma_efficiency,
+            self.mma_f16_efficiency,
+            self.mma_tf32_efficiency,
+            self.wgmma_f16_efficiency,
+        )[PIPES.index(pipe)]
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -256,6 +263,8 @@ def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:
         return device.peak_mma_f16_tflops * 1e12
     if pipe == "mma_sync_tf32":
         return TF32_RATE_OF_F16 * device.peak_mma_f16_tflops * 1e12
+    if pipe == "wgmma_f16":
+        return WGMMA_RATE_OF_MMA_SYNC * device.peak_mma_f16_tflops * 1e12
     raise ValueError(f"unknown matmul pipe {pipe!r}")
 
 

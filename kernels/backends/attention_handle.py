@@ -13,6 +13,8 @@ private pool), so a graph never shares scratch with eager calls.
 
 The roles of the pointer arguments are found by building the family's launches with marker
 addresses (``BUFFER_MARKERS``): any family, any argument order, with no family named here.
+TMA descriptor arguments (``TensorMap``) are encoded once a slot and re-pointed at the call's
+q, k or v only when that address moved (``cuTensorMapReplaceAddress``, one host call a map).
 Import-safe without CUDA or torch: the driver is injected, torch is the caller's module.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from kernels.cuda_driver import (
 from kernels.launch import BufferElements, DeviceBuffers, KernelLaunch
 from kernels.plan_choice import ChosenPlan
 from tuner.errors import BackendError
+from tuner.planner.launches import TensorMap
 from tuner.problem import Problem
 
 #: buffer roles, in ``DeviceBuffers`` order
@@ -42,6 +45,10 @@ ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml")
 #: addresses no allocation has (above 2**63), one per role: where a launch built with these has
 #: one, that argument is that buffer's pointer
 BUFFER_MARKERS = DeviceBuffers(*((0xF1A5 << 48) + index for index in range(len(ROLES))))
+
+#: where a slot's tensor maps point until the first call re-points them: 16-byte aligned (the
+#: encoder checks alignment, not the memory) and far below any CUDA device allocation
+UNBOUND_TENSOR_MAP_ADDRESS = 1 << 20
 
 #: ``allocate(nbytes) -> (owner, address)``: device memory that lives as long as ``owner``
 Allocate = Callable[[int], tuple[Any, int]]
@@ -56,7 +63,7 @@ class LaunchTemplate:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_bytes: int
-    arguments: tuple[str | np.int32 | np.float32 | np.uintp, ...]
+    arguments: tuple[str | TensorMap | np.int32 | np.float32 | np.uintp, ...]
 
 
 def launch_templates(
@@ -67,9 +74,17 @@ def launch_templates(
     markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
     templates = []
     for launch in launches:
-        arguments: list[str | np.int32 | np.float32 | np.uintp] = []
+        arguments: list[str | TensorMap | np.int32 | np.float32 | np.uintp] = []
         for position, value in enumerate(launch.args):
-            if isinstance(value, np.uintp):
+            if isinstance(value, TensorMap):
+                if markers.get(value.address) != value.buffer or value.buffer not in ROLES[:3]:
+                    raise BackendError(
+                        f"{launch.function} argument {position} is a tensor map over "
+                        f"{value.buffer!r} at an address that is not q's, k's or v's; the deploy "
+                        "path re-points maps over q, k and v only"
+                    )
+                arguments.append(value)
+            elif isinstance(value, np.uintp):
                 role = markers.get(int(value))
                 if role is None:
                     raise BackendError(
@@ -105,8 +120,11 @@ class StreamSlot:
         packed: tuple[PackedLaunch, ...],
         calls: tuple[Callable[[], int], ...],
         owners: tuple[Any, ...],
+        tensor_maps: tuple[Any, ...] = (),
     ) -> None:
         self.q, self.k, self.v, self.out = (pointers[role] for role in ROLES[:4])
+        #: the encoded TMA descriptors the packed launches point at (re-pointed per call)
+        self.tensor_maps = tensor_maps
         # The argument objects live here: the drivers' ``void*[]`` hold only their addresses.
         self.packed = packed
         self.calls = calls
@@ -175,15 +193,26 @@ class AttentionHandle:
                 owners.append(owner)
                 addresses[role] = address
         pointers = {role: ctypes.c_void_p(addresses.get(role, 0)) for role in ROLES}
-        packed = tuple(self._pack(template, pointers) for template in self.templates)
+        maps: list[Any] = []
+        packed = tuple(self._pack(template, pointers, maps) for template in self.templates)
         calls = tuple(self.driver.bind_launch(launch, stream) for launch in packed)
-        return StreamSlot(pointers, packed, calls, tuple(owners))
+        return StreamSlot(pointers, packed, calls, tuple(owners), tuple(maps))
 
-    def _pack(self, template: LaunchTemplate, pointers: dict[str, Any]) -> PackedLaunch:
-        arguments = [
-            pointers[value] if isinstance(value, str) else ctypes_argument(value)
-            for value in template.arguments
-        ]
+    def _pack(
+        self, template: LaunchTemplate, pointers: dict[str, Any], maps: list[Any]
+    ) -> PackedLaunch:
+        arguments = []
+        for value in template.arguments:
+            if isinstance(value, str):
+                arguments.append(pointers[value])
+            elif isinstance(value, TensorMap):
+                encoded = self.driver.encode_tensor_map(
+                    replace(value, address=UNBOUND_TENSOR_MAP_ADDRESS)
+                )
+                maps.append(encoded)
+                arguments.append(encoded.value)
+            else:
+                arguments.append(ctypes_argument(value))
         return pack_launch(
             template.name,
             template.function,
@@ -199,6 +228,11 @@ class AttentionHandle:
         """The plan's launches on the slot's stream, in the current context; no waiting."""
         with slot.lock:  # another thread must not rewrite the addresses before the launch
             slot.q.value, slot.k.value, slot.v.value, slot.out.value = q, k, v, out
+            for encoded in slot.tensor_maps:
+                address = (
+                    q if encoded.spec.buffer == "q" else k if encoded.spec.buffer == "k" else v
+                )
+                self.driver.replace_tensor_map_address(encoded, address)
             for call in slot.calls:
                 status = call()
                 if status:

@@ -36,6 +36,7 @@ import numpy as np
 
 from kernels import build, precision
 from kernels.backends.base import Backend, Failure, Measurement
+from kernels.cuda_driver import CudaDriver, ctypes_argument, pack_launch
 from kernels.launch import (
     BufferElements,
     DeviceBuffers,
@@ -48,6 +49,7 @@ from kernels.timing import TimingStats, throughput, time_repetitions
 from tuner.device import H200, PROFILES, DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError
+from tuner.planner.launches import TensorMap
 from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel, scalar_shared_bytes
 from tuner.problem import Problem
@@ -105,6 +107,10 @@ class _ProblemState:
     scalar_output: np.ndarray | None = None
 
 
+def _has_tensor_maps(launches: tuple[KernelLaunch, ...]) -> bool:
+    return any(isinstance(a, TensorMap) for launch in launches for a in launch.args)
+
+
 class PyCudaBackend(Backend):
     name = "pycuda"
 
@@ -136,6 +142,9 @@ class PyCudaBackend(Backend):
         self._context: Any = None
         self._profile: DeviceProfile | None = None
         self._modules: dict[str, Any] = {}
+        #: cubins loaded through the driver for TMA launches: compile key -> CUmodule
+        self._driver_modules: dict[str, int] = {}
+        self._driver: CudaDriver | None = None
         self._state: _ProblemState | None = None
         self._flush_buffer: Any = None
         self._flush_bytes = 0
@@ -184,6 +193,9 @@ class PyCudaBackend(Backend):
             self._state = None
             self._flush_buffer = None
             self._modules.clear()
+            for module in self._driver_modules.values():
+                self._driver.unload_module(module)  # type: ignore[union-attr]
+            self._driver_modules.clear()
         with contextlib.suppress(Exception):
             self._context.detach()
         self._context = None
@@ -355,11 +367,67 @@ class PyCudaBackend(Backend):
         state = self._problem_state(drv, plan.problem)
         functions = self.functions(drv, compiled)
         launches = launch_sequence(plan, self._buffers(drv, state, plan))
+        if _has_tensor_maps(launches):
+            return state, self._driver_launcher(compiled, launches)
 
         def run() -> None:
             self._launch(drv, functions, launches)
 
         return state, run
+
+    def _driver_launcher(
+        self, compiled: build.CompiledKernel, launches: tuple[KernelLaunch, ...]
+    ) -> Callable[[], None]:
+        """Launches with TMA descriptors go through ``cuLaunchKernel``'s ``kernelParams``
+        (``kernels.cuda_driver``, as the deploy handle launches them) on the legacy default
+        stream of the current context, where PyCUDA's launches and timing events run. Not
+        through PyCUDA: its ``Function`` takes one packed argument buffer and exposes no
+        ``CUfunction`` handle; the descriptors are encoded once here."""
+        if self._driver is None:
+            self._driver = CudaDriver()
+        driver = self._driver
+        module = self._driver_modules.get(compiled.key)
+        try:
+            if module is None:
+                module = self._driver_modules[compiled.key] = driver.load_module(compiled.cubin)
+            encoded, packed = [], []
+            for launch in launches:
+                function = driver.get_function(module, launch.function)
+                if launch.needs_shared_opt_in:
+                    driver.set_max_dynamic_shared(function, launch.shared_bytes)
+                arguments = []
+                for value in launch.args:
+                    if isinstance(value, TensorMap):
+                        encoded.append(driver.encode_tensor_map(value))
+                        arguments.append(encoded[-1].value)
+                    else:
+                        arguments.append(ctypes_argument(value))
+                packed.append(
+                    pack_launch(
+                        launch.function,
+                        function,
+                        launch.grid,
+                        launch.block,
+                        launch.shared_bytes,
+                        arguments,
+                    )
+                )
+        except BackendError as error:
+            raise _LaunchRefused(str(error)) from error
+        calls = [(launch.name, driver.bind_launch(launch, 0)) for launch in packed]
+
+        def run() -> None:
+            _alive = (encoded, packed)  # the argument objects the bound calls point at
+            for name, call in calls:
+                status = call()
+                if status:
+                    message = f"{name}: {driver.error_string(status)}"
+                    if launch_refused(message):
+                        raise _LaunchRefused(message)
+                    raise _DeviceFault(message)
+            del _alive
+
+        return run
 
     def _measure_loaded(
         self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel

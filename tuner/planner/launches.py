@@ -4,7 +4,9 @@ Pure (numpy scalars only, no CUDA). Each family builds its launches from these
 (``KernelFamily.launches``); the PyCUDA backend allocates what
 ``BufferElements`` says and launches exactly what the family returns, so tests
 check both on a machine without a GPU. Argument types follow the kernels'
-signatures: pointers as ``np.uintp``, ints as ``np.int32``, floats as ``np.float32``.
+signatures: pointers as ``np.uintp``, ints as ``np.int32``, floats as ``np.float32``, and
+TMA descriptors (``const __grid_constant__ CUtensorMap``) as ``TensorMap`` values, which the
+backends encode with the driver (``kernels.tensor_maps``) over the buffer they name.
 """
 
 from __future__ import annotations
@@ -22,7 +24,46 @@ DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024
 #: split scratch is float32 whatever the problem's dtype: partials are accumulators
 SCRATCH_BYTES = 4
 
-KernelArgument = np.uintp | np.int32 | np.float32
+#: the TMA's element types a tensor map may name (CUtensorMapDataType)
+TENSOR_MAP_DTYPES = ("bfloat16", "float16")
+#: the shared-memory swizzles a tensor map may ask for, in bytes (0: none)
+TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMap:
+    """A kernel's by-value TMA descriptor over one of the plan's buffers, as a value.
+
+    ``buffer`` names the ``DeviceBuffers`` field the map covers and ``address`` is that
+    buffer's address; the map is row-major with ``dims`` innermost first (elements),
+    ``strides_bytes`` for every dimension but the innermost, and a box of ``box`` elements
+    landing in shared memory with a ``swizzle_bytes`` swizzle. Reads outside ``dims`` fill
+    zeros. Pure: the backend turns it into the 128-byte ``CUtensorMap`` the kernel takes.
+    """
+
+    buffer: str
+    address: int
+    dtype: str
+    dims: tuple[int, ...]
+    strides_bytes: tuple[int, ...]
+    box: tuple[int, ...]
+    swizzle_bytes: int = 128
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TENSOR_MAP_DTYPES:
+            raise ValueError(f"tensor map dtype {self.dtype!r} is not one of {TENSOR_MAP_DTYPES}")
+        if len(self.strides_bytes) != len(self.dims) - 1 or len(self.box) != len(self.dims):
+            raise ValueError(
+                f"tensor map of {len(self.dims)} dims needs {len(self.dims) - 1} strides and "
+                f"{len(self.dims)} box sizes, got {self.strides_bytes} and {self.box}"
+            )
+        if self.swizzle_bytes not in TENSOR_MAP_SWIZZLES:
+            raise ValueError(
+                f"swizzle of {self.swizzle_bytes} B is not one of {TENSOR_MAP_SWIZZLES}"
+            )
+
+
+KernelArgument = np.uintp | np.int32 | np.float32 | TensorMap
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ for _module in (
     "mma_f16",
     "decode_f16",
     "mma_tf32",
+    "wgmma_f16",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)
 

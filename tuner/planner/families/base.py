@@ -28,6 +28,7 @@ from tuner.planner.fixed_width import U32_MAX, div_ceil
 from tuner.planner.launches import (
     BufferElements,
     DeviceBuffers,
+    KernelArgument,
     KernelLaunch,
     kernel_launch,
     pointers,
@@ -41,7 +42,7 @@ from tuner.problem import Problem
 #: (``tuner.costmodel.matmul_rate``): FP32 FFMA on the SIMT lanes, dense
 #: bf16/fp16 ``mma.sync`` with fp32 accumulate on the tensor cores, or TF32
 #: ``mma.sync`` (m16n8k8, fp32 accumulate) on them.
-MatmulPipe = Literal["ffma", "mma_sync_f16", "mma_sync_tf32"]
+MatmulPipe = Literal["ffma", "mma_sync_f16", "mma_sync_tf32", "wgmma_f16"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,24 +284,28 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
     if not plan.problem.causal:
         return padded_rows * padded_keys
     offset = plan.problem.causal_offset
-    causal = rows * (
-        rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * (tile // 2 + offset)
-    )
+    causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * (tile // 2 + offset))
     return min(causal, padded_rows * padded_keys)
 
 
 def split_kv_launches(
-    plan: KernelPlan, buffers: DeviceBuffers, attention_function: str, merge_function: str
+    plan: KernelPlan,
+    buffers: DeviceBuffers,
+    attention_function: str,
+    merge_function: str,
+    leading: tuple[KernelArgument, ...] = (),
 ) -> tuple[KernelLaunch, ...]:
     """The launches of a family on the split-KV contract, which every tiled and tensor-core
     family keeps: ``attention_function(q, k, v, out, partial_o, partial_stats, seq_len,
     kv_len, group, keys_per_split, scale_log2)`` on ``plan.launch``, then the split merge
-    (``with_split_merge``) when there are splits."""
+    (``with_split_merge``) when there are splits. ``leading`` arguments come first (a TMA
+    family's tensor maps)."""
     p = plan.problem
     attention = kernel_launch(
         plan.launch,
         attention_function,
         (
+            *leading,
             *pointers(buffers),
             np.int32(p.seq_len),
             np.int32(p.kv_len),

@@ -1,0 +1,197 @@
+"""The wgmma_f16 planning module (issue 14): feasibility, partition, defines, launches.
+
+Pure: no GPU, no compiler. The shared-memory formula is checked against the numbers of
+``kernels/wgmma_f16.cu``'s SMEM_BYTES, and the compile defines against the kernel's macros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tuner.device import H200
+from tuner.planner import families
+from tuner.planner.families.wgmma_f16 import (
+    FAMILY,
+    consumer_registers,
+    consumer_registers_needed,
+    swizzle_verdict,
+    tma_verdict,
+    wgmma_f16_shared_bytes,
+)
+from tuner.planner.launches import DeviceBuffers, TensorMap
+from tuner.planner.params import KernelParams
+from tuner.problem import Problem
+
+KERNEL = Path(__file__).resolve().parent.parent / "kernels" / "wgmma_f16.cu"
+BF16 = Problem(4096, 128, batch=4, heads=16, dtype="bfloat16")
+
+
+@pytest.fixture
+def registered() -> Iterator[None]:
+    assert families.family_named(FAMILY.name) is FAMILY
+    yield
+
+
+def plan(problem: Problem = BF16, device=H200, **tunables: int):
+    return FAMILY.plan(problem, KernelParams("wgmma_f16", **tunables), device)
+
+
+def test_it_is_registered_for_the_half_dtypes_only() -> None:
+    assert "wgmma_f16" in families.family_names()
+    assert "wgmma_f16" in families.families_for("bfloat16")
+    assert "wgmma_f16" in families.families_for("float16")
+    assert "wgmma_f16" not in families.families_for("float32")
+
+
+def test_shared_bytes_follow_the_kernels_layout() -> None:
+    # Q: 2 consumers x 64 rows x 128 x 2 B; ring: 2 stages x (K, V) x 128 keys x 128 x 2 B;
+    # 7 mbarriers of 8 B; 1024 B to align the base.
+    assert wgmma_f16_shared_bytes(2, 128, 2, 128) == 32768 + 131072 + 56 + 1024 == 164920
+    text = KERNEL.read_text()
+    for name in ("Q_TILE_BYTES", "KV_TILE_BYTES", "SMEM_BYTES", "BARRIERS"):
+        assert re.search(rf"#define {name} ", text), name
+
+
+def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) -> None:
+    p = plan()
+    assert p.feasible, p.reason
+    assert p.launch.block == (384, 1, 1) and p.launch.grid == (32, 1, 64)
+    assert p.launch.shared_bytes == 164920 and p.rows_per_block == 128
+    assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/o0/s1"
+    assert FAMILY.compile_defines(p) == {
+        "HEAD_DIM": 128, "CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "CAUSAL": 0,
+        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PRODUCER_REGISTERS": 24,
+        "CONSUMER_REGISTERS": 240,
+    }
+    # every define is a macro the kernel reads
+    text = KERNEL.read_text()
+    for name in FAMILY.compile_defines(p):
+        assert f"#ifndef {name}" in text, name
+
+
+@pytest.mark.parametrize(
+    ("tunables", "problem", "words"),
+    [
+        ({}, Problem(64, 64), "dtype float32 is not one of"),
+        ({}, Problem(256, 96, dtype="bfloat16"), "head_dim=96 is not one of (64, 128)"),
+        ({"block_n": 96}, BF16, "block_n=96 is not one of (64, 128)"),
+        ({"stages": 5}, BF16, "2 to 4 stages"),
+        ({"consumers": 3}, BF16, "one or two consumer warpgroups"),
+        ({"blocks_per_sm": 2, "consumers": 2}, BF16, "2 only with 1"),
+        # 32768 + 4 x 65536 + ... > 232448
+        ({"stages": 4}, BF16, "exceeds the device's per-block opt-in limit 232448 B"),
+        # two blocks of 148536 B do not share one SM's 233472 B
+        ({"consumers": 1, "blocks_per_sm": 2}, BF16, "exceed the SM's 233472 B"),
+        ({"consumers": 2}, Problem(64, 64, dtype="float16"), "block_m=128 is larger than needed"),
+    ],
+)
+def test_infeasible_candidates_say_why(
+    registered: None, tunables: dict[str, int], problem: Problem, words: str
+) -> None:
+    p = plan(problem, **tunables)
+    assert not p.feasible and words in p.reason, p.reason
+
+
+def test_only_hopper_runs_it(registered: None) -> None:
+    ampere = dataclasses.replace(H200, compute_capability=(8, 0))
+    assert "need sm_90a; the device is sm_80" in plan(device=ampere).reason
+
+
+def test_the_register_split_is_judged(registered: None) -> None:
+    # 64K registers: 24 x 128 for the producer, 240 a consumer thread (the cap)
+    assert consumer_registers(2, 1, 65536) == 240 and consumer_registers(1, 2, 65536) == 232
+    assert consumer_registers_needed(128, 128) == 64 + 64 + 32 + 48
+    # the overlap keeps two P sets: 240 at head_dim 128 with 128-key tiles (ptxas: R231 the
+    # highest register of that build), so it fits two consumers but not two blocks an SM
+    assert consumer_registers_needed(128, 128, overlap=True) == 240
+    assert plan(overlap=1).feasible
+    assert plan(overlap=2).reason == "overlap=2: 0 or 1"
+    small = dataclasses.replace(H200, registers_per_sm=32768)
+    p = plan(device=small)  # (256 - 24) / 2 = 116, 112 in steps of 8; 208 needed
+    assert not p.feasible and "needs about 208 registers; setmaxnreg can give 112" in p.reason
+
+
+def test_tma_and_swizzle_limits() -> None:
+    assert tma_verdict(128, 4096, 64, 128) == ""
+    assert "256-element box limit" in tma_verdict(128, 4096, 64, 512)
+    assert "not multiples of 16" in tma_verdict(60, 4096, 64, 64)
+    assert "2^32" in tma_verdict(128, 1 << 32, 1, 64)
+    for consumers in (1, 2):
+        for block_n in (64, 128):
+            for stages in (2, 3, 4):
+                for head_dim in (64, 128):
+                    assert swizzle_verdict(consumers, block_n, stages, head_dim) == ""
+    assert "1024-byte atoms" in swizzle_verdict(1, 64, 2, 96)
+
+
+def test_launches_lead_with_the_three_tensor_maps(registered: None) -> None:
+    problem = Problem(1000, 128, batch=2, heads=16, kv_heads=4, kv_len=1500, dtype="float16")
+    p = plan(problem, consumers=2, block_n=64, stages=3)
+    (attention,) = FAMILY.launches(p, DeviceBuffers(0x1000, 0x2000, 0x3000, 0x4000))
+    q_map, k_map, v_map = attention.args[:3]
+    assert all(isinstance(m, TensorMap) for m in (q_map, k_map, v_map))
+    assert (q_map.buffer, q_map.address) == ("q", 0x1000)
+    assert (k_map.buffer, k_map.address, v_map.buffer, v_map.address) == ("k", 0x2000, "v", 0x3000)
+    # [heads][rows][head_dim] row-major, 64-column boxes (one 128-byte swizzle row)
+    assert q_map.dims == (128, 1000, 32) and q_map.box == (64, 64, 1)
+    assert q_map.strides_bytes == (256, 1000 * 256)
+    assert k_map.dims == v_map.dims == (128, 1500, 8) and k_map.box == (64, 64, 1)
+    assert k_map.strides_bytes == (256, 1500 * 256)
+    assert {m.dtype for m in (q_map, k_map, v_map)} == {"float16"}
+    assert {m.swizzle_bytes for m in (q_map, k_map, v_map)} == {128}
+    # then the split-KV contract: pointers, seq_len, kv_len, group, keys_per_split, scale
+    assert [int(a) for a in attention.args[3:7]] == [0x1000, 0x2000, 0x3000, 0x4000]
+    assert [int(a) for a in attention.args[9:13]] == [1000, 1500, 4, p.keys_per_sequence_split]
+    assert attention.block == (384, 1, 1) and attention.grid == (8, 1, 32)
+
+
+def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> None:
+    problem = Problem(64, 64, batch=1, heads=4, kv_len=8192, dtype="bfloat16")
+    p = plan(problem, consumers=1, block_n=128, stages=2, split_target=8)
+    assert p.feasible and p.sequence_splits > 1
+    attention, merge = FAMILY.launches(p, DeviceBuffers(16, 32, 48, 64, 80, 96))
+    assert isinstance(attention.args[0], TensorMap)
+    assert merge.function == "wgmma_f16_split_merge"
+    assert not any(isinstance(a, TensorMap) for a in merge.args)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seq_len=st.integers(1, 20000),
+    extra_keys=st.integers(0, 5000),
+    head_dim=st.sampled_from([64, 128]),
+    causal=st.booleans(),
+    consumers=st.sampled_from([1, 2]),
+    block_n=st.sampled_from([64, 128]),
+    stages=st.sampled_from([2, 3, 4]),
+    blocks_per_sm=st.sampled_from([1, 2]),
+    split_target=st.sampled_from([1, 2, 8, 1 << 16]),
+    overlap=st.sampled_from([0, 1]),
+)
+def test_feasible_plans_keep_the_kernels_contract(
+    seq_len: int, extra_keys: int, head_dim: int, causal: bool, consumers: int, block_n: int,
+    stages: int, blocks_per_sm: int, split_target: int, overlap: int,
+) -> None:
+    problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
+                      dtype="bfloat16", kv_len=seq_len + extra_keys)
+    p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
+             blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap)
+    if not p.feasible:
+        assert p.reason
+        return
+    assert p.launch.shared_bytes <= H200.max_shared_memory_per_block_optin
+    assert blocks_per_sm * (p.launch.shared_bytes + 1024) <= H200.shared_memory_per_sm
+    assert p.keys_per_sequence_split % block_n == 0
+    # the splits cover the keys and none is empty (the kernel's grid y)
+    splits = p.sequence_splits
+    assert (splits - 1) * p.keys_per_sequence_split < problem.kv_len
+    assert splits * p.keys_per_sequence_split >= problem.kv_len
+    assert p.launch.grid == (-(-seq_len // (64 * consumers)), splits, 16)
+    assert (splits > 1) == (p.reduce_launch is not None)

@@ -1,0 +1,184 @@
+"""The Hopper family (``wgmma_f16``: TMA, wgmma, warp specialization) on a real GPU: parity
+over dtype x head_dim x odd lengths x causal x GQA / KV-cache lengths x consumer/tile/stage/
+overlap/split plans, each measured through the PyCUDA backend exactly as a tuning trial is
+(tensor maps encoded by the driver, outputs poisoned with NaN, FlashAttention's parity rule of
+``kernels.precision``). Plans the planner rejects only as larger than a tiny sequence needs
+are run anyway: they must be right too. Skipped where pycuda is missing, no CUDA device
+answers, or the device is not sm_90.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import pytest
+
+from kernels.backends.base import Failure
+from kernels.backends.pycuda_backend import DEFAULT_CACHE_DIR, PyCudaBackend
+from kernels.build import CompileFailure
+from tuner.errors import BackendError
+from tuner.planner.families import family_named
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+CACHE_DIR = os.environ.get("FLASH_ATTENTION_TUNER_CUBIN_CACHE", DEFAULT_CACHE_DIR)
+FAMILY = family_named("wgmma_f16")
+NAMES = ("consumers", "block_n", "stages", "blocks_per_sm", "overlap", "split_target")
+#: two consumer warpgroups and one (two blocks an SM), 64- and 128-key tiles, 2-4 stages,
+#: with and without the softmax/P V overlap, and split targets giving several splits
+PLANS = (
+    (2, 128, 2, 1, 0, 1 << 16),
+    (2, 128, 3, 1, 1, 1 << 16),
+    (1, 64, 2, 2, 0, 3),
+    (2, 64, 4, 1, 1, 2),
+    (1, 64, 2, 2, 1, 1 << 16),
+)
+SIZE_ONLY_REASONS = ("larger than needed",)
+
+
+def problems() -> list[Problem]:
+    shapes = itertools.product((7, 129, 1000), (64, 128), ("bfloat16", "float16"), (False, True))
+    found = [Problem(n, d, batch=2, heads=3, causal=c, dtype=t) for n, d, t, c in shapes]
+    found += [
+        Problem(100, 128, heads=8, kv_heads=2, kv_len=1500, causal=True, dtype="bfloat16"),
+        Problem(333, 64, batch=2, heads=4, kv_heads=1, kv_len=777, dtype="float16"),
+        Problem(1, 128, batch=3, heads=8, kv_heads=2, kv_len=4100, dtype="bfloat16"),
+    ]
+    return found
+
+
+def plans_for(problem: Problem, profile) -> list[KernelPlan]:
+    plans = []
+    for values in PLANS:
+        params = KernelParams("wgmma_f16", **dict(zip(NAMES, values, strict=True)))
+        plan = FAMILY.plan(problem, params, profile)
+        if not plan.feasible:
+            assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
+            plan = dataclasses.replace(plan, feasible=True, reason="")
+        plans.append(plan)
+    return plans
+
+
+@pytest.fixture(scope="module")
+def backend():
+    gpu = PyCudaBackend(cache_dir=CACHE_DIR, repetitions=2, warmup=1, judge_resources=False, seed=7)
+    try:
+        profile = gpu.device_profile()
+    except BackendError as error:
+        pytest.skip(f"no GPU to run on: {error}")
+    if profile.compute_capability != (9, 0):
+        pytest.skip(f"wgmma_f16 needs sm_90a; the device is {profile.arch}")
+    plans = [plan for problem in problems() for plan in plans_for(problem, profile)]
+    results = gpu.precompile(plans)
+    failures = {k: r.reason for k, r in results.items() if isinstance(r, CompileFailure)}
+    assert not failures
+    yield gpu
+    gpu.close()
+
+
+@pytest.mark.parametrize("problem", problems(), ids=lambda p: p.label().replace(" ", "-"))
+def test_wgmma_f16_matches_the_reference(backend: PyCudaBackend, problem: Problem) -> None:
+    wrong = []
+    for plan in plans_for(problem, backend.device_profile()):
+        result = backend.measure(plan, problem)
+        if not result.ok:
+            wrong.append(f"{plan.key()}: {result.failure} {result.detail}")
+            assert result.failure is not Failure.RUNTIME_DEVICE, wrong[-1]
+            continue
+        assert result.max_abs_error is not None and result.max_abs_error == result.max_abs_error
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_matrix_has_split_plans_overlap_and_both_consumer_counts(
+    backend: PyCudaBackend,
+) -> None:
+    plans = [plan for p in problems() for plan in plans_for(p, backend.device_profile())]
+    assert max(plan.sequence_splits for plan in plans) >= 3
+    assert {plan.params.consumers for plan in plans} == {1, 2}
+    assert {plan.params.overlap for plan in plans} == {0, 1}
+
+
+#: a stored wgmma plan with key splits (merge and scratch) on the deploy shape below
+DEPLOY_STORED = {
+    "consumers": 2,
+    "block_n": 128,
+    "stages": 3,
+    "blocks_per_sm": 1,
+    "overlap": 1,
+    "split_target": 4,
+}
+
+
+def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
+    """The deploy path with TMA descriptors: a GQA causal bf16 call against a stored wgmma plan
+    is right, stays right when the tensors move (the maps are re-pointed), and a CUDA graph of
+    the call replays the eager result."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sqlalchemy")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 device that torch sees")
+    import kernels
+    import kernels.deploy as ka
+    from db import PlanRecord, PlanRegistry
+    from kernels import build
+    from kernels.deploy import Attention
+
+    batch, heads, kv_heads, n, d = 2, 16, 4, 1000, 128
+    problem = Problem(
+        n, d, batch=batch, heads=heads, kv_heads=kv_heads, causal=True, dtype="bfloat16"
+    )
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    with PlanRegistry.open(url) as writer:
+        probe = Attention(writer)
+        stored = PlanRecord(
+            "wgmma_f16", dict(DEPLOY_STORED), build.source_hash("wgmma_f16"), True, median_ms=1.0
+        )
+        writer.record(problem, probe.environment(), stored)
+        probe.close()
+
+    def tensors(seed: int) -> list:
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        return [
+            torch.randn((batch, h, n, d), device="cuda", dtype=torch.bfloat16, generator=generator)
+            for h in (heads, kv_heads, kv_heads)
+        ]
+
+    def errors(out, q, k, v) -> tuple[float, float]:
+        group = heads // kv_heads
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+        scores = q64 @ k64.transpose(-1, -2) / d**0.5
+        above = torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1)
+        want = torch.softmax(scores.masked_fill(above, float("-inf")), dim=-1) @ v64
+        theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (
+            float((out.double() - want).abs().max()),
+            float((theirs.double() - want).abs().max()),
+        )
+
+    with torch.no_grad():
+        for seed in (1, 2):  # new tensors: new addresses for the maps
+            q, k, v = tensors(seed)
+            out = kernels.attention(q, k, v, True, registry=url)
+            ours, theirs = errors(out, q, k, v)
+            assert ours <= 2 * theirs + 1e-5, f"seed {seed}: {ours:.2e} vs torch {theirs:.2e}"
+        chosen = ka.default_instance(url).plan_for(problem)
+        assert chosen.origin == "registry" and chosen.plan.family == "wgmma_f16"
+        assert chosen.plan.sequence_splits > 1
+        static = tensors(3)
+        eager = kernels.attention(*static, True, registry=url)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kernels.attention(*static, True, registry=url)
+        for target, source in zip(static, tensors(4), strict=True):
+            target.copy_(source)
+        graph.replay()
+        fresh = kernels.attention(*static, True, registry=url)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, fresh) and not torch.equal(captured, eager)
+    ka.clear_default_instances()

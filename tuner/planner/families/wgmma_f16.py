@@ -1,0 +1,345 @@
+"""``wgmma_f16`` (``kernels/wgmma_f16.cu``): Hopper FlashAttention forward on ``wgmma.mma_async``.
+
+A block is one producer warpgroup (one thread issues TMA loads) and ``consumers``
+consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``); with
+``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor
+cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles of
+``block_n`` keys stream through a ``stages``-deep ring in shared memory in the 128-byte
+swizzle; S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators in
+the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
+consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over blocks as in
+``mma_f16`` (same split contract and merge).
+
+Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64 or
+128 (whole 128-byte swizzle rows of 64 two-byte elements); the shared-memory ring against
+the block and SM limits; the register split (the consumers' accumulators fit the
+setmaxnreg target, the targets fit the register file); the TMA's box and stride limits;
+and the swizzle's 1024-byte alignment of every tile.
+"""
+
+from __future__ import annotations
+
+from tuner.device import DeviceProfile
+from tuner.planner.errors import PlanError
+from tuner.planner.families.base import (
+    CostTerms,
+    KernelFamily,
+    Tunable,
+    checked_u32,
+    executed_pairs,
+    key_rows_read_per_head,
+    larger_than_needed,
+    launch_verdict,
+    split_kv_launches,
+)
+from tuner.planner.families.mma_f16 import DEFAULT_SPLIT_TARGETS
+from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.launches import DeviceBuffers, KernelLaunch, TensorMap
+from tuner.planner.params import KernelParams
+from tuner.planner.plan import KernelPlan, Launch, occupancy_and_waves
+from tuner.planner.seed import sequence_parallel_splits, split_reduce_scratch_elements
+from tuner.problem import Problem
+
+ELEMENT_BYTES = 2
+F32_BYTES = 4
+#: rows a consumer warpgroup owns: the M of wgmma m64nNk16
+WARPGROUP_ROWS = 64
+WARPGROUP_THREADS = 128
+#: the 128-byte swizzle: a row of 64 two-byte elements; the pattern repeats every 8 rows
+SWIZZLE_ROW_BYTES = 128
+SWIZZLE_ATOM_BYTES = 1024
+#: TMA limits (cuTensorMapEncodeTiled): box dimensions, global strides, global dimensions
+TMA_MAX_BOX = 256
+TMA_STRIDE_ALIGN = 16
+TMA_MAX_GLOBAL_DIM = 1 << 32
+#: setmaxnreg: the producer's count, the largest count, and its granularity
+PRODUCER_REGISTERS = 24
+MAX_CONSUMER_REGISTERS = 240
+SETMAXNREG_STEP = 8
+SM90_REGISTERS_PER_SM = 65536
+#: registers a consumer thread needs besides its accumulators and P fragments (addresses,
+#: row statistics, loop state): ptxas's counts for the compiled grid (ptxas.json in the
+#: results) stay within accumulators + P + this.
+CONSUMER_OVERHEAD_REGISTERS = 48
+#: the kernel's head dims (whole swizzle rows) and key tiles (wgmma N of the S product)
+HEAD_DIMS = (64, 128)
+BLOCK_NS = (64, 128)
+GRID_YZ_LIMIT = 65535
+MERGE_THREADS = 128
+#: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
+NON_MATMUL_FLOPS_PER_PAIR = 5
+#: mbarriers: q_full, then k_full, v_full and kv_empty per stage; 8 bytes each
+BARRIER_BYTES = 8
+#: the kernel rounds its dynamic shared base up to 1024 bytes: it asks for that much more
+ALIGNMENT_SLACK = 1024
+
+
+def wgmma_f16_shared_bytes(consumers: int, block_n: int, stages: int, head_dim: int) -> int:
+    """Dynamic shared memory of ``kernels/wgmma_f16.cu`` (its SMEM_BYTES): each consumer's Q
+    tile, the K and V ring, the mbarriers, and the alignment slack."""
+    q_tiles = consumers * WARPGROUP_ROWS * head_dim * ELEMENT_BYTES
+    ring = 2 * stages * block_n * head_dim * ELEMENT_BYTES
+    return q_tiles + ring + BARRIER_BYTES * (1 + 3 * stages) + ALIGNMENT_SLACK
+
+
+def consumer_registers(consumers: int, blocks_per_sm: int, registers_per_sm: int) -> int:
+    """The consumers' setmaxnreg target: what the SM's registers leave a consumer thread
+    once the producer has its 24 (rounded down to 8, at most 240)."""
+    per_thread = registers_per_sm // blocks_per_sm // WARPGROUP_THREADS
+    share = (per_thread - PRODUCER_REGISTERS) // consumers
+    return min(MAX_CONSUMER_REGISTERS, share // SETMAXNREG_STEP * SETMAXNREG_STEP)
+
+
+def consumer_registers_needed(block_n: int, head_dim: int, overlap: bool = False) -> int:
+    """S and O accumulators (m64nN f32: N / 2 a thread), P's 16-bit pairs (block_n / 4;
+    two sets with ``overlap``: P(t) is packed while P V(t-1) still reads P(t-1))."""
+    p_sets = 2 if overlap else 1
+    return block_n // 2 + head_dim // 2 + p_sets * block_n // 4 + CONSUMER_OVERHEAD_REGISTERS
+
+
+def tma_verdict(head_dim: int, rows: int, heads: int, box_rows: int) -> str:
+    """A 3-D tensor map {head_dim, rows, heads} with a box {64, box_rows, 1} ("" when fine)."""
+    if box_rows > TMA_MAX_BOX:
+        return f"a TMA box of {box_rows} rows exceeds the {TMA_MAX_BOX}-element box limit"
+    row_bytes = head_dim * ELEMENT_BYTES
+    if row_bytes % TMA_STRIDE_ALIGN or (rows * row_bytes) % TMA_STRIDE_ALIGN:
+        return f"TMA strides of {row_bytes} B are not multiples of {TMA_STRIDE_ALIGN}"
+    if max(rows, heads) >= TMA_MAX_GLOBAL_DIM:
+        return f"{rows} rows x {heads} heads exceed the TMA's 2^32 global dimension"
+    return ""
+
+
+def swizzle_verdict(consumers: int, block_n: int, stages: int, head_dim: int) -> str:
+    """Every tile's 64-column chunks start on a 1024-byte swizzle atom ("" when they do)."""
+    chunks = head_dim * ELEMENT_BYTES // SWIZZLE_ROW_BYTES
+    offsets = [c * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES for c in range(chunks * consumers)]
+    ring = consumers * WARPGROUP_ROWS * head_dim * ELEMENT_BYTES
+    offsets += [ring + c * block_n * SWIZZLE_ROW_BYTES for c in range(2 * stages * chunks)]
+    misaligned = [o for o in offsets if o % SWIZZLE_ATOM_BYTES]
+    if head_dim * ELEMENT_BYTES % SWIZZLE_ROW_BYTES or misaligned:
+        return f"tiles at {misaligned[:3]} B miss the 128-byte swizzle's 1024-byte atoms"
+    return ""
+
+
+def wgmma_tensor_maps(
+    plan: KernelPlan, buffers: DeviceBuffers
+) -> tuple[TensorMap, TensorMap, TensorMap]:
+    """The kernel's Q, K and V maps: 3-D ``{head_dim, rows, heads}`` (row-major
+    ``[heads][rows][head_dim]``), a box of 64 columns (one 128-byte swizzle row) by a
+    consumer's 64 query rows or a ``block_n``-key tile, 128-byte swizzle. Rows past a head's
+    end read as zeros, which the kernel masks (keys) or does not store (queries)."""
+    p = plan.problem
+    d, row_bytes = p.head_dim, p.head_dim * ELEMENT_BYTES
+
+    def map_over(buffer: str, address: int, rows: int, heads: int, box_rows: int) -> TensorMap:
+        return TensorMap(
+            buffer=buffer,
+            address=address,
+            dtype=p.dtype,
+            dims=(d, rows, heads),
+            strides_bytes=(row_bytes, rows * row_bytes),
+            box=(SWIZZLE_ROW_BYTES // ELEMENT_BYTES, box_rows, 1),
+            swizzle_bytes=SWIZZLE_ROW_BYTES,
+        )
+
+    kv_heads = p.batch * p.kv_heads
+    block_n = plan.params.block_n
+    return (
+        map_over("q", buffers.q, p.seq_len, p.batch_heads, WARPGROUP_ROWS),
+        map_over("k", buffers.k, p.kv_len, kv_heads, block_n),
+        map_over("v", buffers.v, p.kv_len, kv_heads, block_n),
+    )
+
+
+class WgmmaF16(KernelFamily):
+    name = "wgmma_f16"
+    source = "wgmma_f16.cu"
+    entry_functions = ("wgmma_f16_attention", "wgmma_f16_split_merge")
+    dtypes = ("bfloat16", "float16")
+    arch = "sm_90a"
+    tunables = (
+        Tunable("consumers", 2, (1, 2)),
+        Tunable("block_n", 128, BLOCK_NS),
+        Tunable("stages", 2, (2, 3, 4)),
+        Tunable("blocks_per_sm", 1, (1, 2)),
+        Tunable("overlap", 0, (0, 1)),
+        Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
+    )
+    heatmap_axes = ("block_n", "consumers")
+    partial_stats_per_row = 1  # one log2-sum-exp per row and split, as mma_f16
+
+    def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
+        n, d, bh, kv_len = problem.seq_len, problem.head_dim, problem.batch_heads, problem.kv_len
+        consumers, block_n, stages = params.consumers, params.block_n, params.stages
+        blocks_per_sm, target = params.blocks_per_sm, params.split_target
+        if min(consumers, block_n, stages, blocks_per_sm, target) <= 0:
+            raise PlanError(
+                f"consumers={consumers}, block_n={block_n}, stages={stages}, "
+                f"blocks_per_sm={blocks_per_sm}, split_target={target}: each must be > 0"
+            )
+        block_m = WARPGROUP_ROWS * consumers
+        threads = WARPGROUP_THREADS * (consumers + 1)
+        tile_count = div_ceil(kv_len, block_n)
+        splits = sequence_parallel_splits(tile_count, target=target)
+        tiles_per_split = div_ceil(tile_count, splits)
+        keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
+        shared = wgmma_f16_shared_bytes(consumers, block_n, stages, d)
+        registers = consumer_registers(consumers, blocks_per_sm, device.registers_per_sm)
+        needed = consumer_registers_needed(block_n, d, bool(params.overlap))
+        row_blocks = div_ceil(n, block_m)
+
+        reason = ""
+        if problem.dtype not in self.dtypes:
+            reason = f"dtype {problem.dtype} is not one of {', '.join(self.dtypes)}"
+        elif device.compute_capability != (9, 0):
+            reason = f"wgmma and setmaxnreg need sm_90a; the device is {device.arch}"
+        elif d not in HEAD_DIMS:
+            reason = f"head_dim={d} is not one of {HEAD_DIMS} (whole 128-byte swizzle rows)"
+        elif consumers not in (1, 2):
+            reason = f"consumers={consumers}: one or two consumer warpgroups"
+        elif block_n not in BLOCK_NS:
+            reason = f"block_n={block_n} is not one of {BLOCK_NS}"
+        elif not 2 <= stages <= 4:
+            reason = f"stages={stages}: the ring holds 2 to 4 stages"
+        elif params.overlap not in (0, 1):
+            reason = f"overlap={params.overlap}: 0 or 1"
+        elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
+            reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
+        if not reason:
+            reason = launch_verdict(threads, shared, device)
+        if not reason and blocks_per_sm * (shared + device.reserved_shared_memory_per_block) > (
+            device.shared_memory_per_sm
+        ):
+            reason = (
+                f"{blocks_per_sm} blocks of {shared} B shared memory exceed the SM's "
+                f"{device.shared_memory_per_sm} B"
+            )
+        if not reason and registers < needed:
+            reason = (
+                f"a consumer thread needs about {needed} registers; setmaxnreg can give "
+                f"{registers} with {consumers} consumers and {blocks_per_sm} blocks an SM"
+            )
+        if not reason:
+            reason = (
+                tma_verdict(d, n, bh, WARPGROUP_ROWS)
+                or tma_verdict(d, kv_len, problem.batch * problem.kv_heads, block_n)
+                or swizzle_verdict(consumers, block_n, stages, d)
+            )
+        if not reason and larger_than_needed(block_m, n, WARPGROUP_ROWS):
+            reason = f"block_m={block_m} is larger than needed for seq_len={n}"
+        if not reason and larger_than_needed(block_n, kv_len, min(BLOCK_NS)):
+            reason = f"block_n={block_n} is larger than needed for kv_len={kv_len}"
+        if not reason and (splits > GRID_YZ_LIMIT or bh > GRID_YZ_LIMIT):
+            reason = f"{splits} splits x {bh} batch-heads exceed the grid's y/z limit"
+        partial = bh * splits * n * (d + 1) if splits > 1 else 0
+        if not reason and partial > U32_MAX:
+            reason = f"split scratch of {partial} floats overflows u32"
+
+        launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
+        reduce_launch = None
+        if splits > 1:
+            merge_blocks = div_ceil(bh * n * (d // 4), MERGE_THREADS)
+            reduce_launch = Launch(
+                grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
+            )
+        element = problem.element_bytes
+        key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)
+        read = element * bh * (n * d + 2 * key_rows * d)
+        write = element * bh * n * d
+        if splits > 1:
+            read += F32_BYTES * partial
+            write += F32_BYTES * partial
+        non_matmul = bh * (
+            problem.attended_pairs * NON_MATMUL_FLOPS_PER_PAIR
+            + n * tile_count * (d + 4)
+            + n * (splits - 1) * d * 3
+        )
+        # __launch_bounds__(threads, blocks_per_sm) and the setmaxnreg split hold the SM to
+        # blocks_per_sm blocks, whatever shared memory would allow.
+        occupancy, waves = occupancy_and_waves(launch, threads, blocks_per_sm, device)
+        return KernelPlan(
+            problem=problem,
+            params=params,
+            tile_size=block_n,
+            tile_count=tile_count,
+            sequence_splits=splits,
+            tiles_per_sequence_split=tiles_per_split,
+            keys_per_sequence_split=keys_per_split,
+            split_reduce_scratch_elements=split_reduce_scratch_elements(splits, d),
+            parallel_workgroups_per_row=splits,
+            rows_per_block=block_m,
+            threads_per_row=4,  # a row's scores live in a quad of lanes, as with mma.sync
+            rows_per_thread=2,
+            launch=launch,
+            reduce_launch=reduce_launch,
+            global_read_bytes=read,
+            global_write_bytes=write,
+            matmul_flops=problem.useful_flops,
+            non_matmul_flops=non_matmul,
+            blocks_per_sm=blocks_per_sm,
+            occupancy=occupancy,
+            waves=waves,
+            feasible=not reason,
+            reason=reason,
+        )
+
+    def compile_defines(self, plan: KernelPlan) -> dict[str, int]:
+        p, params = plan.problem, plan.params
+        return {
+            "HEAD_DIM": p.head_dim,
+            "CONSUMERS": params.consumers,
+            "BLOCK_N": params.block_n,
+            "STAGES": params.stages,
+            "CAUSAL": int(p.causal),
+            "IS_FP16": int(p.dtype == "float16"),
+            "BLOCKS_PER_SM": params.blocks_per_sm,
+            "OVERLAP": params.overlap,
+            "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
+            # Every sm_90 part has 64K registers an SM (plans carry no device profile).
+            "CONSUMER_REGISTERS": consumer_registers(
+                params.consumers, params.blocks_per_sm, SM90_REGISTERS_PER_SM
+            ),
+        }
+
+    def key(self, plan: KernelPlan) -> str:
+        params = plan.params
+        return (
+            f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
+            f"/b{params.blocks_per_sm}/o{params.overlap}/s{plan.sequence_splits}"
+        )
+
+    def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
+        """The split-KV contract's launches, the attention kernel's led by its three tensor
+        maps (Q, K, V)."""
+        return split_kv_launches(
+            plan, buffers, *self.entry_functions, leading=wgmma_tensor_maps(plan, buffers)
+        )
+
+    def cost_terms(self, plan: KernelPlan) -> CostTerms:
+        """Shared traffic per K/V tile: each consumer's wgmma reads its Q rows and the K tile
+        (S) and the V tile (P V) from shared memory; the TMA writes K and V once a block.
+        ``ilp``: wgmma chains are asynchronous, one S and one O accumulator set a consumer.
+        """
+        p, params = plan.problem, plan.params
+        d, bh, n = p.head_dim, p.batch_heads, p.seq_len
+        block_n, consumers = params.block_n, params.consumers
+        block_m = WARPGROUP_ROWS * consumers
+        per_block = consumers * (WARPGROUP_ROWS * d + 2 * block_n * d) + 2 * block_n * d
+        executed = executed_pairs(plan, block_m)
+        block_tiles = executed // (block_m * block_n)
+        return CostTerms(
+            matmul_pipe="wgmma_f16",
+            executed_pairs=executed,
+            exps=bh * executed + bh * n * plan.tile_count,
+            shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
+            # wgmma reads shared memory through descriptors, not lane instructions; the
+            # TMA writes a tile per instruction: no lane ops to count.
+            shared_lane_ops=0,
+            ilp=consumers * (block_n // 8 + d // 8),
+            # The TMA ring fetches stages - 1 (K, V) tile pairs ahead of the consumers.
+            pipelined=True,
+            bytes_in_flight=(params.stages - 1) * 2 * block_n * d * ELEMENT_BYTES,
+        )
+
+
+FAMILY = WgmmaF16()
