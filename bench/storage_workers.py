@@ -113,7 +113,9 @@ def run_kind(kind: str, args: argparse.Namespace, directory: Path) -> dict[str, 
     else:
         where = f"sqlite:///{directory / (kind + '.sqlite')}"
     args.log = str(directory / f"{kind}.measured")
-    settings = SearchConfig(n_trials=args.n_trials, traffic_cutoff=1e9, enqueue_top=8)
+    settings = SearchConfig(
+        sampler="tpe", n_trials=args.n_trials, traffic_cutoff=1e9, enqueue_top=8
+    )
     study_space, predictions = space()
     prepare_study(
         study_space,

@@ -557,7 +557,10 @@ def test_each_dtype_gets_a_default_plan_of_a_family_that_takes_it(dtype: str, ca
     assert chosen.origin == "default" and chosen.plan.problem == problem
     assert family in families_for(dtype)
     if dtype == "float32":
-        assert family in ("scalar_online", "tiled")
+        # The calibrated model (issue 18) ranks three-pass mma_tf32 first here, as the
+        # H200 grids measure it: a float32-class plan under the default tf32x3 precision.
+        assert family in ("scalar_online", "tiled", "mma_tf32")
+        assert family != "mma_tf32" or chosen.plan.params.passes == 3
     else:
         assert family == HALF_DEFAULT_FAMILY
     assert chosen.plan.key() == default_plan_key(problem)

@@ -56,7 +56,7 @@ CASES = {
     "n_trials negative": Case(("search.n_trials=-1",), "search.n_trials=-1", ">= 1"),
     "n_trials text": Case(("search.n_trials=abc",), "search.n_trials=abc", ">= 1"),
     "timeout negative": Case(("search.timeout_s=-5",), "search.timeout_s=-5", "> 0 or null"),
-    "sampler": Case(("search.sampler=annealing",), "search.sampler=annealing", "tpe, random"),
+    "sampler": Case(("search.sampler=annealing",), "search.sampler=annealing", "model, tpe"),
     "backend name": Case(("backend.name=xyz",), "backend.name=xyz", "auto, pycuda, model"),
     "unknown device": Case(("device=a100",), "device=a100", "allowed: h200"),
     "nothing feasible": Case(("head_dim=4096",), "head_dim=4096", "no candidate plan"),

@@ -99,7 +99,8 @@ def test_mandatory_shape_is_missing_until_given() -> None:
 
 
 @pytest.mark.parametrize(
-    ("option", "sampler"), [("default", "tpe"), ("random", "random"), ("grid", "grid")]
+    ("option", "sampler"),
+    [("default", "model"), ("tpe", "tpe"), ("random", "random"), ("grid", "grid")],
 )
 def test_search_option_selects_sampler(option: str, sampler: str) -> None:
     assert load(*SHAPE, f"search={option}").search.sampler == sampler
@@ -111,10 +112,11 @@ def test_sampler_is_also_a_plain_override() -> None:
 
 def test_search_options_cover_every_sampler() -> None:
     samplers = {
-        load(*SHAPE, f"search={option}").search.sampler for option in ["default", "random", "grid"]
+        load(*SHAPE, f"search={option}").search.sampler
+        for option in ["default", "tpe", "random", "grid"]
     }
     assert samplers == set(SAMPLERS)
-    assert group_options("search") == ["default", "grid", "random"]
+    assert group_options("search") == ["default", "grid", "random", "tpe"]
 
 
 @pytest.mark.parametrize("option", BACKENDS)
@@ -222,7 +224,7 @@ def test_validate_accepts(overrides: tuple[str, ...]) -> None:
         ("dtype=int8", "dtype=int8", "one of bfloat16, float16, float32"),
         ("mode=banana", "mode=banana", "one of tune, plan"),
         ("plan_rows=-1", "plan_rows=-1", "an integer >= 0"),
-        ("search.sampler=annealing", "search.sampler=annealing", "one of tpe, random, grid"),
+        ("search.sampler=annealing", "search.sampler=annealing", "one of model, tpe, random, grid"),
         ("search.n_trials=0", "search.n_trials=0", "an integer >= 1"),
         ("search.n_trials=-1", "search.n_trials=-1", "an integer >= 1"),
         ("search.timeout_s=-5", "search.timeout_s=-5", "a number > 0 or null"),

@@ -279,6 +279,7 @@ def test_a_study_of_60_with_10_broken_ends_with_50_measured_and_10_failed(
     gpu.compile_faults(faults, candidates)
     backend = IsolatedBackend(gpu.factory(faults), TRIAL_TIMEOUT_S)
     settings = SearchConfig(
+        sampler="tpe",  # its queue of all 60 in predicted order is the fault schedule
         n_trials=60,
         enqueue_top=60,
         traffic_cutoff=1e9,

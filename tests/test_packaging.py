@@ -51,6 +51,8 @@ def test_the_wheel_ships_every_config_file(tmp_path: Path) -> None:
     }
     assert expected and expected <= names
     assert {"kernels/tiled.cu", "db/alembic.ini"} <= names
+    # the cost model's fitted constants (tuner.costmodel.calibrated() reads them)
+    assert "tuner/costmodel_calibration.json" in names
 
 
 def test_build_outputs_are_ignored_by_git(tmp_path: Path) -> None:

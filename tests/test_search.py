@@ -20,6 +20,7 @@ from tuner.costmodel import predict, rank_correlation
 from tuner.data_dir import DATA_DIR_VARIABLE
 from tuner.device import H200
 from tuner.environment import Environment
+from tuner.errors import ConfigError
 from tuner.planner import SpaceAxes, candidate_space
 from tuner.planner.families import families_for
 from tuner.planner.tunable import KernelPlan, ResourceUsage
@@ -37,7 +38,7 @@ REPLAY_DATA = sorted((Path(__file__).parent.parent / "bench" / "data").glob("*.j
 
 
 def make_space(
-    problem: Problem, sampler: str = "tpe", axes: SpaceAxes | None = None
+    problem: Problem, sampler: str = "model", axes: SpaceAxes | None = None
 ) -> tuple[StudySpace, dict]:
     space = candidate_space(problem, H200, axes or SpaceAxes())
     predictions = {p.key(): predict(p, H200) for p in space.feasible}
@@ -72,10 +73,14 @@ def ranked_keys(space: StudySpace, predictions: dict) -> list[str]:
 
 def test_infeasible_points_never_reach_the_backend(tmp_path):
     # head_dim 256: a quarter of the structured space is over the shared-memory limit.
+    # (TPE proposes tunable values, so it can name points the planner rejects; the
+    # model sampler proposes only feasible plan keys.)
     problem = Problem(1024, 256)
-    space, predictions = make_space(problem)
+    space, predictions = make_space(problem, sampler="tpe")
     backend = RecordingBackend()  # asserts every plan it sees is feasible
-    result = search(tmp_path, space, predictions, backend, n_trials=30, enqueue_top=0)
+    result = search(
+        tmp_path, space, predictions, backend, sampler="tpe", n_trials=30, enqueue_top=0
+    )
     assert set(backend.keys) <= set(space.by_key)
     infeasible = [t for t in result.trials if t.outcome == "infeasible"]
     assert infeasible, "the sampler proposed no infeasible point; the test proves nothing"
@@ -85,7 +90,8 @@ def test_infeasible_points_never_reach_the_backend(tmp_path):
     assert result.counted == 30 == len(backend.keys)
 
 
-def test_a_plan_the_compiler_rejected_is_never_measured(tmp_path):
+@pytest.mark.parametrize("sampler", ["model", "tpe"])
+def test_a_plan_the_compiler_rejected_is_never_measured(tmp_path, sampler):
     problem = Problem(512, 64)
     axes = SpaceAxes(families=("tiled",), tile_sizes=(32,), rows_per_block=(32, 64))
     space = candidate_space(problem, H200, axes)
@@ -95,22 +101,65 @@ def test_a_plan_the_compiler_rejected_is_never_measured(tmp_path):
     assert not spilled.feasible and "spills" in spilled.reason
     feasible = space.feasible[1:]
     predictions = {p.key(): predict(p, H200) for p in feasible}
-    study_space = StudySpace(problem, H200, feasible, (*space.rejected, spilled))
+    study_space = StudySpace(
+        problem, H200, feasible, (*space.rejected, spilled), encoding=encoding_for(sampler)
+    )
     backend = RecordingBackend()
-    result = search(tmp_path, study_space, predictions, backend, n_trials=len(feasible))
+    result = search(
+        tmp_path, study_space, predictions, backend, sampler=sampler, n_trials=len(feasible)
+    )
     assert spilled.key() not in backend.keys
+    assert sorted(backend.keys) == sorted(p.key() for p in feasible)
     for trial in result.trials:
         if trial.key == spilled.key():
             assert trial.outcome == "infeasible" and "spills" in trial.detail
 
 
 def test_the_best_predictions_are_measured_first_in_predicted_order(tmp_path):
-    space, predictions = make_space(Problem(512, 64))
+    # TPE does not know the model: the queue is its cost-model ranking.
+    space, predictions = make_space(Problem(512, 64), sampler="tpe")
     backend = RecordingBackend()
-    result = search(tmp_path, space, predictions, backend, n_trials=12, enqueue_top=5)
+    result = search(
+        tmp_path, space, predictions, backend, sampler="tpe", n_trials=12, enqueue_top=5
+    )
     assert backend.keys[:5] == ranked_keys(space, predictions)[:5]
     assert result.enqueued == backend.keys[:5]
     assert [t.key for t in result.trials[:5]] == backend.keys[:5]
+
+
+def test_the_model_sampler_follows_the_queue_then_corrects_the_ranking(tmp_path):
+    space, predictions = make_space(Problem(512, 64))
+    ranked = ranked_keys(space, predictions)
+    # Every plan of the 6th-ranked plan's tile size runs 3x slower than predicted.
+    def tile_of(plan: KernelPlan) -> int | None:
+        return plan.params.as_dict().get("tile_size")
+
+    slow_tile = tile_of(space.by_key[ranked[5]])
+
+    class Skewed(RecordingBackend):
+        def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
+            measurement = super().measure(plan, problem)
+            factor = 3.0 if tile_of(plan) == slow_tile else 1.0
+            return dataclasses.replace(measurement, median_ms=measurement.median_ms * factor)
+
+    backend = Skewed()
+    result = search(tmp_path, space, predictions, backend, n_trials=14, enqueue_top=3)
+    assert result.enqueued == ranked[:3] == backend.keys[:3]
+    assert len(set(backend.keys)) == len(backend.keys) == 14
+    # After the queue, the sampler measures fewer plans of the slow tile than the
+    # uncorrected ranking would.
+    after = backend.keys[3:]
+    uncorrected = [k for k in ranked if k not in backend.keys[:3]][: len(after)]
+    def slow(keys: list[str]) -> int:
+        return sum(tile_of(space.by_key[k]) == slow_tile for k in keys)
+
+    assert slow(after) < slow(uncorrected)
+
+
+def test_the_model_sampler_refuses_a_structured_space(tmp_path):
+    space, predictions = make_space(Problem(512, 64), sampler="tpe")
+    with pytest.raises(ConfigError, match="candidate space"):
+        search(tmp_path, space, predictions, RecordingBackend(), sampler="model", n_trials=2)
 
 
 def test_plans_over_the_traffic_cutoff_are_skipped_and_recorded(tmp_path):
@@ -145,7 +194,7 @@ def test_a_candidate_proposed_again_reuses_its_result(tmp_path):
     assert len(set(backend.keys)) == len(backend.keys) == 3 == result.counted
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "random", "grid"])
+@pytest.mark.parametrize("sampler", ["model", "tpe", "random", "grid"])
 def test_each_sampler_runs_and_measures_distinct_candidates(tmp_path, sampler):
     space, predictions = make_space(Problem(512, 64), sampler=sampler)
     backend = RecordingBackend()

@@ -130,7 +130,8 @@ def test_a_small_run_on_the_smallest_recording_writes_sane_json(tmp_path):
         assert best["ms"] > 0 and entry["timed_plans"] <= entry["feasible_plans"]
         rho = entry["cost_model"]["spearman"]
         assert rho is None or -1 <= rho <= 1
-        assert set(entry["variants"]) == set(se.VARIANTS)
+        assert set(entry["variants"]) == set(se.DEFAULT_VARIANTS)
+        assert entry["held_out"] in (True, False) and entry["family"] == "all"
         for result in entry["variants"].values():
             trials = result["trials_to_within_5pct"]
             assert len(trials["per_seed"]) == 2
@@ -142,6 +143,100 @@ def test_a_small_run_on_the_smallest_recording_writes_sane_json(tmp_path):
             assert finite == sorted(finite, reverse=True)  # best so far never worsens
         # The default search enqueues the cost model's best first: its first trial is timed.
         assert entry["variants"]["default"]["curve"]["median"][0] is not None
-        assert "default_median_within_20" in entry["targets"]
+        assert "default_median_within_target" in entry["targets"]
+        for result in entry["variants"].values():
+            fractions = result["fraction_within"]
+            assert set(fractions) == {"10"}  # 20 is past the budget of 12
+            per_seed = result["trials_to_within_5pct"]["per_seed"]
+            assert fractions["10"] == sum(1 for t in per_seed if t is not None and t <= 10) / 2
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not REPLAY_DATA, reason="no recorded timings under bench/data/")
+def test_a_problem_recorded_in_two_files_is_searched_as_one(tmp_path):
+    import dataclasses
+
+    from kernels.backends.replay import load_recordings, write_recordings
+
+    def families(path: Path) -> int:
+        return len({e.params["family"] for e in load_recordings(path)[0].entries.values()})
+
+    several = [path for path in REPLAY_DATA if families(path) > 1]
+    if not several:
+        pytest.skip("no recording under bench/data holds two families")
+    smallest = min(several, key=lambda p: p.stat().st_size)
+    recording = load_recordings(smallest)[0]
+    by_family: dict[str, dict] = {}
+    for key, entry in recording.entries.items():
+        by_family.setdefault(entry.params["family"], {})[key] = entry
+    assert len(by_family) > 1, "the recording holds one family; the test proves nothing"
+    paths = []
+    for family, entries in by_family.items():
+        part = dataclasses.replace(
+            recording,
+            entries=entries,
+            source_hashes={family: recording.source_hashes[family]},
+        )
+        path = tmp_path / f"{family}.json"
+        write_recordings(path, [part])
+        paths.append(path)
+    groups = se.problems_by_shape(paths)
+    assert list(groups) == [recording.problem]
+    assert len(groups[recording.problem]) == len(by_family)
+    (first, *others) = groups[recording.problem]
+    merged = se.setup_problem(*first, also=others)
+    whole = se.setup_problem(smallest, 0)
+    assert merged.times == whole.times and merged.sources == tuple(paths)
+    family = sorted(by_family)[0]
+    one = se.setup_problem(*first, also=others, family=family)
+    assert one.times == {k: v for k, v in whole.times.items() if k.startswith(family + "/")}
+    trials = se.search_once(merged, "default", seed=0, budget=4)
+    assert sum(1 for t in trials if t.counted) == 4
+
+
+@pytest.mark.skipif(not REPLAY_DATA, reason="no recorded timings under bench/data/")
+def test_held_out_predictions_use_the_constants_fitted_without_the_grid():
+    from tuner.costmodel import calibrated
+
+    path = min(REPLAY_DATA, key=lambda p: p.stat().st_size)
+    label = se.load_recordings(path)[0].problem.label()
+    params = se.held_out_params(label)
+    if params is None:
+        pytest.skip(f"the shipped calibration has no held-out constants for {label}")
+    assert params != calibrated()
+    held_out = se.setup_problem(path, 0, held_out=True)
+    in_sample = se.setup_problem(path, 0)
+    assert held_out.held_out and not in_sample.held_out
+    key = next(iter(held_out.times))
+    assert held_out.predictions[key].time_ms != in_sample.predictions[key].time_ms
+
+
+def test_recorded_ptxas_reports_judge_plans_as_precompile_does():
+    import ptxas_resources
+
+    from kernels import build
+    from tuner.device import H200
+    from tuner.planner import KernelParams, plan_kernel
+    from tuner.problem import Problem
+
+    problem = Problem(4096, 128, batch=4, heads=16, dtype="bfloat16")
+
+    def plan(**params):
+        chosen = plan_kernel(problem, KernelParams("mma_f16", split_target=2**16, **params), H200)
+        assert chosen.feasible, chosen.reason
+        return chosen
+
+    small = plan(block_m=64, block_n=32, warps=4, stages=2)
+    spilled = plan(block_m=128, block_n=64, warps=4, stages=2)
+    unknown = plan(block_m=64, block_n=64, warps=4, stages=3)
+    report = {"registers": 160, "spill_store_bytes": 0, "spill_load_bytes": 0}
+    reports = {
+        build.KernelSpec.from_plan(small).key: report,
+        build.KernelSpec.from_plan(spilled).key: report | {"spill_store_bytes": 32},
+    }
+    accepted, rejected = ptxas_resources.judged([small, spilled, unknown], reports, H200)
+    assert [p.key() for p in rejected] == [spilled.key()] and "spills" in rejected[0].reason
+    judged_small, kept = accepted
+    assert judged_small.resources is not None and judged_small.blocks_per_sm == 3  # registers
+    assert kept is unknown  # no report: the planner's judgement stands

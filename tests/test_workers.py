@@ -36,6 +36,7 @@ from tuner.app import run
 from tuner.config import typed_config, validate
 from tuner.errors import ConfigError
 from tuner.problem import Problem
+from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
 from tuner.workers import GpuPlan, WorkerJob, plan_gpus, run_workers, search_with_workers
 
@@ -201,6 +202,35 @@ def test_eight_workers_on_one_sqlite_study_are_exact(tmp_path):
     measured = [key for _, key in log_lines(log, "end")]
     assert sorted(measured) == sorted(keys)  # the backend saw each counted plan once
     assert result.counted == 24 and len(log_lines(log, "built")) == 8
+
+
+def test_eight_workers_with_the_model_sampler_are_exact(tmp_path):
+    # The default sampler proposes plan keys and skips those other workers are measuring.
+    log = str(tmp_path / "log")
+    structured, predictions = make_space()
+    space = StudySpace(
+        structured.problem,
+        structured.device,
+        structured.feasible,
+        structured.rejected.values(),
+        encoding="candidate",
+    )
+    job = WorkerJob(
+        space=space,
+        predictions=predictions,
+        settings=settings(n_trials=24, sampler="model"),
+        storage_url=f"sqlite:///{tmp_path / 's.sqlite'}",
+        study_name="eight-model",
+        backend=SlowFactory(0.02, log),
+    )
+    plan = GpuPlan(8, (None,) * 8, "test")
+    result, outcome = search_with_workers(job, plan, open_storage(job.storage_url))
+    assert outcome is not None and not outcome.failed, [e.describe() for e in outcome.failed]
+    keys = assert_exact(only_study(job.storage_url), 24)
+    measured = [key for _, key in log_lines(log, "end")]
+    assert sorted(measured) == sorted(keys)
+    # The model's 8 best predictions were queued once; the rest the samplers proposed.
+    assert result.enqueued == sorted(predictions, key=lambda k: predictions[k].time_ms)[:8]
 
 
 # ---------------------------------------------------------------- a worker killed mid-trial

@@ -87,6 +87,8 @@ def make_space(problem: Problem | None = None) -> tuple[StudySpace, dict]:
 
 def settings(**values: object) -> SearchConfig:
     values.setdefault("traffic_cutoff", 1e9)
+    # make_space builds TPE's structured space (the model sampler takes a candidate one)
+    values.setdefault("sampler", "tpe")
     return SearchConfig(**values)  # type: ignore[arg-type]
 
 

@@ -291,6 +291,18 @@ def _candidates(
         # What the recording machine's compiler ruled out is dropped here, as
         # precompiling drops it in a PyCUDA run, so a replay searches the same space.
         recording = backend.recording_for(problem)  # type: ignore[attr-defined]
+        # A family the recording did not time (its source_hashes name the ones it did)
+        # has nothing to replay: its plans are ruled out, not tried and failed one by one.
+        recorded = set(recording.source_hashes)
+        if recorded:
+            rejected += [
+                dataclasses.replace(
+                    plan, feasible=False, reason=f"{plan.family} is not in the recording"
+                )
+                for plan in feasible
+                if plan.family not in recorded
+            ]
+            feasible = [plan for plan in feasible if plan.family in recorded]
         verdicts = {plan.key(): recording.rejection(plan.key()) for plan in feasible}
         rejected += [
             dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])

@@ -29,8 +29,9 @@ from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 @dataclass
 class SearchConfig:
-    #: "tpe" (default), "random" or "grid"
-    sampler: str = "tpe"
+    #: "model" (default: the cost model's ranking corrected by the measurements),
+    #: "tpe", "random" or "grid"
+    sampler: str = "model"
     #: trials to finish in this study (a resumed study counts the finished ones)
     n_trials: int = 40
     #: wall-clock limit of the whole search in seconds; null for none
@@ -166,7 +167,7 @@ register_configs()
 # (a typed field given text), so a key's error reads the same whichever layer catches it.
 
 MODES = ("tune", "plan")
-SAMPLERS = ("tpe", "random", "grid")
+SAMPLERS = ("model", "tpe", "random", "grid")
 BACKENDS = ("auto", "pycuda", "model", "replay")
 SECTIONS: dict[str, type] = {
     "search": SearchConfig,

@@ -1,49 +1,50 @@
 """A roofline cost model: predicted time of a kernel plan on a device profile.
 
-Pure (stdlib + ``tuner.planner``/``device``/``problem``). The search uses it to
-rank the candidate space, to measure the best predictions first, and, without
-a GPU, as the "measurement" itself (``kernels.backends.model``), always labelled
-a prediction. It is deliberately simple; ``rank_correlation`` against real
-timings says how far to trust it.
+Pure (stdlib, numpy, ``tuner.planner``/``device``/``problem``). The search uses
+it to rank the candidate space, to measure the best predictions first and to
+steer its sampler (``tuner.model_sampler``); without a GPU it is the
+"measurement" itself (``kernels.backends.model``), always labelled a
+prediction. ``rank_correlation`` against real timings says how far to trust it;
+``tuner.calibration`` fits its constants (``CostParams``) to recorded grids.
 
-The attention kernel's time is the slowest of three throughput bounds, each
-taken against the whole device:
+A plan's time is its attention kernel, the split merge (a second, streaming
+launch: partials read and output written at DRAM bandwidth) and
+``LAUNCH_OVERHEAD_MS`` per launch. The kernel has two sides, each the time of
+the busiest part of the device, combined by a p-norm (``overlap`` for kernels
+whose loads run ahead through a cp.async ring, ``overlap_synchronous`` for
+those that load, wait and compute: a large p is "the slower side alone", 1 is
+"they add up"):
 
-* DRAM: the plan's global bytes (``KernelPlan.global_read_bytes`` +
-  ``global_write_bytes``, which already count K/V re-reads per block of query
-  rows) over ``dram_bandwidth_gbps``. Re-reads that hit L2 make this
-  pessimistic for small ``rows_per_block``; that is the direction we want.
-* compute: executed matmul flops (padded to whole tiles and blocks) at the
-  rate of the pipe the family runs them on (``matmul_rate``: FP32 FFMA at
-  ``peak_fp32_tflops``, bf16/fp16 ``mma.sync`` at ``peak_mma_f16_tflops``,
-  TF32 ``mma.sync`` at half that), times the family's ``matmul_passes``,
-  plus the other instructions: one-op instructions (max, add, compare, and
-    every shared-memory load and store) at half the flop rate (one op per lane-
-  instruction, an FFMA counts two flops), and
-  ``exp2`` on the SFU, which issues 16 per clock per SM against 128 FP32
-  lanes (CUDA C++ Programming Guide, arithmetic-instruction throughput table,
-  compute capability 9.0). The three are summed: they share the warp
-  schedulers' issue slots.
-* shared memory: bytes a warp really moves through the shared-memory banks
-  (broadcasts counted once) over ``shared_bandwidth_bytes_per_clock_per_sm``
-  x SMs x clock.
+* memory: at full throughput, the larger of the compulsory bytes (Q, K and V
+  once per KV head, the output or split partials written) over the sustained
+  DRAM bandwidth (``dram_efficiency`` x ``dram_bandwidth_gbps``) and the bytes
+  requested (``KernelPlan.global_read_bytes`` + ``global_write_bytes``, which
+  count the K/V re-reads per block of query rows) over the L2's bandwidth
+  (``l2_over_dram`` x that). The launch runs in rounds of resident blocks, and
+  by Little's law a round draws at most (blocks x ``CostTerms.bytes_in_flight``)
+  / ``dram_latency_us``: a round of fewer blocks than it takes to cover the
+  latency is latency bound (few large decode blocks, a ragged last wave).
+* SM: the larger of compute and shared memory at full throughput, times a
+  slowdown for latency hiding and waves (``_sm_slowdown``). Compute is the
+  executed matmul flops (padded to whole tiles and blocks) at the rate of the
+  pipe the family runs them on (``matmul_rate``: FP32 FFMA, bf16/fp16
+  ``mma.sync``, TF32 ``mma.sync`` at half that; each times its calibrated
+  efficiency), times the family's ``matmul_passes``, plus the other
+  instructions (one op per lane-instruction, an FFMA counts two flops, and
+  every shared-memory load and store) and ``exp2`` on the SFU (16 per clock per
+  SM against 128 FP32 lanes, CUDA C++ Programming Guide, compute capability
+  9.0), at ``issue_efficiency`` of the FP32 issue rate. Shared memory is the
+  bytes a warp really moves through the banks over 128 B per clock per SM.
+  Latency is hidden by warps *and* by independent instructions within a warp
+  (``CostTerms.ilp``): a scheduler is busy when warps x min(ilp, ``max_ilp``)
+  cover ``latency_cycles``.
 
-What a family's kernel executes (padded pairs, exp2 count, shared-memory
-bytes and instructions, independent instructions per warp) are the family's
-``CostTerms`` (``KernelFamily.cost_terms`` in ``tuner.planner.families``);
-this module only turns them into time and never names a family.
-
-That bound is then multiplied by a slowdown for the part of the device the
-launch leaves idle: latency hiding and waves (see ``_slowdown``). Latency is
-hidden by warps *and* by independent instructions within a warp
-(``CostTerms.ilp``, e.g. a register micro-tile of accumulators): a
-scheduler is kept busy when warps x independent instructions per warp cover
-``LATENCY_CYCLES``, and below that throughput falls linearly. With several
-latency-bound waves the tail costs
-``ceil(waves) / waves``; with less than one wave on fewer blocks than SMs the
-idle SMs cost their share. The split
-merge is a second, streaming launch: the partials it reads and the output it
-writes at DRAM bandwidth. Every launch adds ``LAUNCH_OVERHEAD_MS``.
+What a family's kernel executes (padded pairs, exp2 count, shared-memory bytes
+and instructions, independent instructions per warp, bytes in flight) are the
+family's ``CostTerms`` (``KernelFamily.cost_terms``); this module turns them
+into time and never names a family. The arithmetic is written once, on numpy
+arrays (``model_times``), so calibration evaluates thousands of plans at once
+and ``predict`` is the same formula on one.
 
 Monotone by construction: more bytes, more flops, lower bandwidth or clock,
 lower occupancy or an extra launch never make a plan faster (tests check).
@@ -51,17 +52,21 @@ lower occupancy or an extra launch never make a plan faster (tests check).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
 
 from tuner.device import DeviceProfile
 from tuner.planner.families import CostTerms, MatmulPipe
-from tuner.planner.plan import KernelPlan
+from tuner.planner.plan import KernelPlan, blocks_per_sm_of
 
 #: split scratch (partials) is float32 whatever the problem's dtype
 F32_BYTES = 4
-
 #: host-side cost of one kernel launch on the critical path (CUDA driver
 #: launch latency is about 3-5 us for back-to-back launches).
 LAUNCH_OVERHEAD_MS = 0.004
@@ -74,14 +79,77 @@ TF32_RATE_OF_F16 = 0.5
 WGMMA_RATE_OF_MMA_SYNC = 1.5
 #: FP32 lanes per SM over SFU (exp2, rcp) lanes per SM on sm_90: 128 / 16.
 SFU_SLOWDOWN = 8.0
-#: cycles of latency a warp scheduler must cover with independent instructions
-#: (warps x instruction-level parallelism) to issue every cycle: between a
-#: shared-memory load's latency on sm_90 (~30; FFMA's is 4) and a barrier's.
-LATENCY_CYCLES = 48
 WARP_SCHEDULERS_PER_SM = 4
-#: independent accumulators per thread beyond which more do not help (the
-#: compiler's scheduling window); 32 is a 4 x 8 register micro-tile.
-MAX_ILP = 32
+#: the pipes, in the order of ``CostParams.matmul_efficiency``
+PIPES: tuple[MatmulPipe, ...] = ("ffma", "mma_sync_f16", "mma_sync_tf32", "wgmma_f16")
+#: the calibrated constants shipped with the package (``bench/calibrate_costmodel.py``)
+CALIBRATION_FILE = Path(__file__).with_name("costmodel_calibration.json")
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """The model's constants: each a physical quantity, fitted by ``tuner.calibration``.
+
+    The defaults are the datasheet's and the earlier hand-picked values; the
+    package ships fitted ones (``calibrated()``).
+    """
+
+    #: sustained fraction of ``DeviceProfile.dram_bandwidth_gbps``
+    dram_efficiency: float = 1.0
+    #: L2 bandwidth over DRAM bandwidth: what K/V re-reads that hit L2 cost
+    l2_over_dram: float = 1.0
+    #: DRAM latency a block's bytes in flight must cover (Little's law), microseconds
+    dram_latency_us: float = 0.0
+    #: achieved fraction of each pipe's peak (``PIPES`` order)
+    ffma_efficiency: float = 1.0
+    mma_f16_efficiency: float = 1.0
+    mma_tf32_efficiency: float = 1.0
+    wgmma_f16_efficiency: float = 1.0
+    #: achieved fraction of the FP32 issue rate for the non-matmul instructions
+    issue_efficiency: float = 1.0
+    #: cycles of latency a scheduler must cover with warps x independent instructions
+    latency_cycles: float = 48.0
+    #: independent accumulators per thread beyond which more do not help
+    max_ilp: float = 32.0
+    #: p of the p-norm that combines the memory and SM sides (large: max; 1: sum) for
+    #: pipelined kernels (``CostTerms.pipelined``: loads run ahead through a cp.async ring)
+    overlap: float = 64.0
+    #: the same for kernels that load, wait at a barrier, then compute
+    overlap_synchronous: float = 64.0
+
+    def efficiency_of(self, pipe: MatmulPipe) -> float:
+        return (
+            self.ffma_efficiency,
+            self.mma_f16_efficiency,
+            self.mma_tf32_efficiency,
+            self.wgmma_f16_efficiency,
+        )[PIPES.index(pipe)]
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, float]) -> CostParams:
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown cost-model constants: {', '.join(sorted(unknown))}")
+        return cls(**{name: float(value) for name, value in values.items()})
+
+
+#: the hand-picked model before calibration (LATENCY_CYCLES 48, MAX_ILP 32, no
+#: L2 or latency term, every pipe at its peak): what ``calibrated()`` falls back to
+UNCALIBRATED = CostParams()
+
+
+@functools.cache
+def calibrated() -> CostParams:
+    """The fitted constants shipped in ``costmodel_calibration.json`` (its ``params``)."""
+    try:
+        data = json.loads(CALIBRATION_FILE.read_text())
+    except FileNotFoundError:
+        return UNCALIBRATED
+    return CostParams.from_dict(data["params"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +164,7 @@ class Prediction:
     compute_ms: float
     shared_ms: float
     bound: str  # "dram", "compute" or "shared": the largest of the three
-    slowdown: float  # >= 1: kernel_ms / the largest bound (occupancy, tail, idle SMs)
+    slowdown: float  # >= 1: kernel_ms / the largest bound (occupancy, tail, idle SMs, latency)
     latency_efficiency: float  # 0..1: throughput of an SM holding blocks_per_sm blocks
     waves: float  # blocks / (blocks_per_sm x SMs)
     read_bytes: int  # global traffic of the whole plan (both kernels)
@@ -109,61 +177,86 @@ class Prediction:
         return self.read_bytes + self.write_bytes
 
 
-def predict(plan: KernelPlan, device: DeviceProfile) -> Prediction:
-    """The predicted time of ``plan`` on ``device``. ``inf`` for a plan that cannot run."""
+# ---------------------------------------------------------------------- features
+
+#: what the model reads off a plan: independent of ``CostParams``, so calibration
+#: computes them once per plan
+FEATURES = (
+    "compulsory_bytes",  # Q, K/V once per KV head, kernel writes
+    "request_bytes",  # the attention kernel's global traffic as requested
+    "merge_bytes",  # the split merge's traffic (0 without splits)
+    "launches",
+    "matmul_flops",  # executed x passes
+    "pipe",  # index into PIPES
+    "instructions",  # one-op lane instructions besides exp2
+    "exps",
+    "shared_bytes",
+    "blocks",
+    "resident",  # blocks per SM
+    "warps",  # per block
+    "ilp",
+    "bytes_in_flight",  # per block
+    "pipelined",  # 1: loads overlap the math (CostTerms.pipelined)
+)
+
+
+def plan_features(plan: KernelPlan, device: DeviceProfile) -> tuple[float, ...]:
+    """``FEATURES`` of one plan."""
+    terms = plan.kernel_family.cost_terms(plan)
+    problem = plan.problem
     partial_bytes = F32_BYTES * plan.partial_elements
-    output_bytes = plan.problem.tensor_bytes
+    output_bytes = problem.tensor_bytes
+    split = plan.reduce_launch is not None
     # The merge reads the partials and writes the output; the attention kernel
     # reads the rest and writes the partials (or the output without splits).
-    merge_bytes = partial_bytes + output_bytes if plan.reduce_launch is not None else 0
-    kernel_bytes = plan.global_bytes - merge_bytes
-    dram_ms = _ms(kernel_bytes, device.dram_bandwidth_gbps * 1e9)
-
-    terms = plan.kernel_family.cost_terms(plan)
-    executed_flops = 4 * plan.problem.head_dim * plan.problem.batch_heads * terms.executed_pairs
-    shared_bytes = terms.shared_bytes
-    compute_ms = _compute_ms(plan, terms, device)
-
-    shared_rate = device.shared_bandwidth_bytes_per_clock_per_sm * device.sm_count
-    shared_ms = _ms(shared_bytes, shared_rate * device.clock_ghz * 1e9)
-
-    bounds = {"dram": dram_ms, "compute": compute_ms, "shared": shared_ms}
-    bound = max(bounds, key=lambda name: bounds[name])
-    slowdown, efficiency = _slowdown(plan, device)
-    kernel_ms = bounds[bound] * slowdown
-
-    merge_ms = _ms(merge_bytes, device.dram_bandwidth_gbps * 1e9)
-    launches = 1 + (plan.reduce_launch is not None)
-    launch_ms = launches * LAUNCH_OVERHEAD_MS
-    return Prediction(
-        time_ms=kernel_ms + merge_ms + launch_ms,
-        kernel_ms=kernel_ms,
-        merge_ms=merge_ms,
-        launch_ms=launch_ms,
-        dram_ms=dram_ms,
-        compute_ms=compute_ms,
-        shared_ms=shared_ms,
-        bound=bound,
-        slowdown=slowdown,
-        latency_efficiency=efficiency,
-        waves=plan.waves,
-        read_bytes=plan.global_read_bytes,
-        write_bytes=plan.global_write_bytes,
-        executed_flops=executed_flops,
-        shared_bytes=shared_bytes,
+    merge_bytes = partial_bytes + output_bytes if split else 0
+    # (a plan that does not count its partials in its traffic moves no kernel bytes for them)
+    request = max(plan.global_bytes - merge_bytes, 0)
+    kernel_writes = plan.global_write_bytes - (output_bytes if split else 0)
+    compulsory = problem.tensor_bytes + 2 * problem.kv_tensor_bytes + kernel_writes
+    executed_flops = _executed_flops(plan, terms)
+    return (
+        float(max(min(compulsory, request), 0)),
+        float(request),
+        float(merge_bytes),
+        float(1 + split),
+        float(executed_flops * terms.matmul_passes),
+        float(PIPES.index(terms.matmul_pipe)),
+        float(max(plan.non_matmul_flops - terms.exps, 0) + terms.shared_lane_ops),
+        float(terms.exps),
+        float(terms.shared_bytes),
+        float(plan.launch.blocks),
+        float(resident_blocks(plan, terms, device)),
+        float(plan.threads / 32),
+        float(terms.ilp),
+        float(terms.bytes_in_flight),
+        float(terms.pipelined),
     )
 
 
-def predict_time_ms(plan: KernelPlan, device: DeviceProfile) -> float:
-    return predict(plan, device).time_ms
+def resident_blocks(plan: KernelPlan, terms: CostTerms, device: DeviceProfile) -> int:
+    """Blocks an SM holds: the plan's figure, which counts registers once the compiler has
+    reported them (``KernelPlan.with_resources``); before that, the family's estimate
+    of its registers (``CostTerms.registers``) bounds it too."""
+    if plan.resources is not None or not terms.registers:
+        return plan.blocks_per_sm
+    by_registers = blocks_per_sm_of(plan.threads, plan.launch.shared_bytes, terms.registers, device)
+    return min(plan.blocks_per_sm, max(by_registers, 1 if plan.blocks_per_sm else 0))
 
 
-def _ms(amount: float, per_second: float) -> float:
-    return 1e3 * amount / per_second
+def feature_table(plans: Sequence[KernelPlan], device: DeviceProfile) -> dict[str, np.ndarray]:
+    """``FEATURES`` of many plans, one numpy column each."""
+    rows = np.array([plan_features(plan, device) for plan in plans], dtype=float)
+    rows = rows.reshape(-1, len(FEATURES))
+    return {name: rows[:, i] for i, name in enumerate(FEATURES)}
+
+
+def _executed_flops(plan: KernelPlan, terms: CostTerms) -> int:
+    return 4 * plan.problem.head_dim * plan.problem.batch_heads * terms.executed_pairs
 
 
 def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:
-    """FLOP/s of the pipe a family's matmuls run on (``CostTerms.matmul_pipe``)."""
+    """Peak FLOP/s of the pipe a family's matmuls run on (``CostTerms.matmul_pipe``)."""
     if pipe == "ffma":
         return device.peak_fp32_tflops * 1e12
     if pipe == "mma_sync_f16":
@@ -175,63 +268,175 @@ def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:
     raise ValueError(f"unknown matmul pipe {pipe!r}")
 
 
-def _compute_ms(plan: KernelPlan, terms: CostTerms, device: DeviceProfile) -> float:
-    executed_flops = 4 * plan.problem.head_dim * plan.problem.batch_heads * terms.executed_pairs
-    peak = device.peak_fp32_tflops * 1e12
-    other_ops = max(plan.non_matmul_flops - terms.exps, 0) + terms.shared_lane_ops
-    # An FFMA is 2 flops per lane-instruction; everything else is 1 op per instruction.
-    instruction_rate = peak / 2
-    return (
-        _ms(executed_flops * terms.matmul_passes, matmul_rate(terms.matmul_pipe, device))
-        + _ms(other_ops, instruction_rate)
-        + _ms(terms.exps, instruction_rate / SFU_SLOWDOWN)
+# ---------------------------------------------------------------------- the model
+
+
+def model_times(
+    table: Mapping[str, np.ndarray], device: DeviceProfile, params: CostParams
+) -> dict[str, np.ndarray]:
+    """The model on a ``feature_table``: time and parts per plan, in milliseconds."""
+    f = table
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dram_rate = params.dram_efficiency * device.dram_bandwidth_gbps * 1e9
+        memory_full = np.maximum(
+            f["compulsory_bytes"] / dram_rate,
+            f["request_bytes"] / (params.l2_over_dram * dram_rate),
+        )
+        pipe_rates = np.array(
+            [matmul_rate(pipe, device) * params.efficiency_of(pipe) for pipe in PIPES]
+        )
+        issue_rate = params.issue_efficiency * device.peak_fp32_tflops * 1e12 / 2
+        compute = (
+            f["matmul_flops"] / pipe_rates[f["pipe"].astype(int)]
+            + f["instructions"] / issue_rate
+            + f["exps"] / (issue_rate / SFU_SLOWDOWN)
+        )
+        shared_rate = (
+            device.shared_bandwidth_bytes_per_clock_per_sm
+            * device.sm_count
+            * device.clock_ghz
+            * 1e9
+        )
+        shared = f["shared_bytes"] / shared_rate
+        efficiency = latency_efficiency_of(f["resident"], f["warps"], f["ilp"], params)
+        sm_slowdown = _sm_slowdown(f, device, params)
+        memory = memory_full * _memory_slowdown(f, device, params, dram_rate)
+        sm_side = np.maximum(compute, shared) * sm_slowdown
+        p = np.where(f["pipelined"] > 0, params.overlap, params.overlap_synchronous)
+        scale = np.maximum(memory, sm_side)
+        kernel = scale * ((memory / scale) ** p + (sm_side / scale) ** p) ** (1 / p)
+        kernel = np.where(f["resident"] > 0, kernel, np.inf)
+        merge = f["merge_bytes"] / dram_rate
+        launch = f["launches"] * LAUNCH_OVERHEAD_MS * 1e-3
+        return {
+            "time_ms": 1e3 * (kernel + merge) + launch * 1e3,
+            "kernel_ms": 1e3 * kernel,
+            "merge_ms": 1e3 * merge,
+            "launch_ms": 1e3 * launch,
+            "dram_ms": 1e3 * memory_full,
+            "compute_ms": 1e3 * compute,
+            "shared_ms": 1e3 * shared,
+            "latency_efficiency": efficiency,
+        }
+
+
+def latency_efficiency_of(
+    resident: np.ndarray | float,
+    warps: np.ndarray | float,
+    ilp: np.ndarray | float,
+    params: CostParams,
+) -> np.ndarray:
+    """Fraction of an SM's issue rate that ``resident`` blocks of ``warps`` warps keep busy."""
+    in_flight = (
+        np.asarray(resident, dtype=float)
+        * np.asarray(warps, dtype=float)
+        / WARP_SCHEDULERS_PER_SM
+        * np.minimum(np.asarray(ilp, dtype=float), params.max_ilp)
+    )
+    return np.minimum(1.0, in_flight / params.latency_cycles)
+
+
+def _sm_slowdown(
+    f: Mapping[str, np.ndarray], device: DeviceProfile, params: CostParams
+) -> np.ndarray:
+    """The busiest SM's time over a perfectly spread, fully efficient launch's (>= 1).
+
+    Blocks go round-robin to SMs, so the busiest SM runs ``ceil(blocks / SMs)``
+    of them, ``resident`` at a time; a round of ``r`` blocks runs at
+    ``latency_efficiency(r)`` of the SM's throughput. With several latency-bound
+    waves this is the classic tail factor ``ceil(waves) / waves``; less than a
+    wave on fewer SMs than the device has costs the idle SMs.
+    """
+    resident = np.maximum(f["resident"], 1.0)
+    per_sm = f["blocks"] / device.sm_count
+    busiest = np.ceil(per_sm)
+    full_rounds = np.floor(busiest / resident)
+    last = busiest - full_rounds * resident
+
+    def round_time(blocks: np.ndarray) -> np.ndarray:
+        efficiency = latency_efficiency_of(blocks, f["warps"], f["ilp"], params)
+        return np.where(blocks > 0, blocks / np.maximum(efficiency, 1e-12), 0.0)
+
+    return (full_rounds * round_time(resident) + round_time(last)) / per_sm
+
+
+def _memory_slowdown(
+    f: Mapping[str, np.ndarray], device: DeviceProfile, params: CostParams, dram_rate: float
+) -> np.ndarray:
+    """The memory side's time over its full-throughput time (>= 1): Little's law per round.
+
+    A round of ``c`` concurrent blocks (``resident`` x SMs at most) draws at most
+    ``c x bytes_in_flight / latency``; it takes ``saturating = rate x latency /
+    bytes_in_flight`` blocks to reach the sustained rate. Each block moves an equal
+    share of the bytes, so a round of ``c`` blocks costs ``max(c, saturating)``
+    block-shares.
+    """
+    blocks = f["blocks"]
+    concurrent = np.maximum(f["resident"], 1.0) * device.sm_count
+    latency_bytes = dram_rate * params.dram_latency_us * 1e-6
+    saturating = np.where(f["bytes_in_flight"] > 0, latency_bytes / f["bytes_in_flight"], 0.0)
+    full_rounds = np.floor(blocks / concurrent)
+    last = blocks - full_rounds * concurrent
+    shares = full_rounds * np.maximum(concurrent, saturating) + np.where(
+        last > 0, np.maximum(last, saturating), 0.0
+    )
+    return shares / blocks
+
+
+def predict(
+    plan: KernelPlan, device: DeviceProfile, params: CostParams | None = None
+) -> Prediction:
+    """The predicted time of ``plan`` on ``device``. ``inf`` for a plan that cannot run.
+
+    ``params``: the model's constants; default the calibrated ones (``calibrated()``).
+    """
+    params = params or calibrated()
+    times = {
+        name: float(value[0])
+        for name, value in model_times(feature_table([plan], device), device, params).items()
+    }
+    terms = plan.kernel_family.cost_terms(plan)
+    bounds = {
+        "dram": times["dram_ms"],
+        "compute": times["compute_ms"],
+        "shared": times["shared_ms"],
+    }
+    bound = max(bounds, key=lambda name: bounds[name])
+    kernel_ms = times["kernel_ms"]
+    slowdown = kernel_ms / bounds[bound] if bounds[bound] > 0 else math.inf
+    return Prediction(
+        time_ms=times["time_ms"],
+        kernel_ms=kernel_ms,
+        merge_ms=times["merge_ms"],
+        launch_ms=times["launch_ms"],
+        dram_ms=times["dram_ms"],
+        compute_ms=times["compute_ms"],
+        shared_ms=times["shared_ms"],
+        bound=bound,
+        slowdown=max(slowdown, 1.0),
+        latency_efficiency=times["latency_efficiency"] if plan.blocks_per_sm else 0.0,
+        waves=plan.waves,
+        read_bytes=plan.global_read_bytes,
+        write_bytes=plan.global_write_bytes,
+        executed_flops=_executed_flops(plan, terms),
+        shared_bytes=terms.shared_bytes,
     )
 
 
-def _slowdown(plan: KernelPlan, device: DeviceProfile) -> tuple[float, float]:
-    """(slowdown >= 1, latency efficiency of an SM holding ``blocks_per_sm`` blocks).
-
-    Blocks go round-robin to SMs, so the busiest SM runs ``ceil(blocks /
-    SMs)`` of them, ``blocks_per_sm`` at a time. A round of ``r`` resident
-    blocks runs at ``latency_efficiency`` of the SM's throughput, so it takes
-    ``r / efficiency(r)`` block-times. The slowdown is
-    the busiest SM's time over the time of a perfectly spread, fully efficient
-    launch. With several latency-bound waves this is the classic tail factor
-    ``ceil(waves) / waves``; a partial last wave that saturates the SM anyway
-    costs only its share, and less than a wave on fewer SMs than the device
-    has costs the idle SMs.
-    """
-    if plan.blocks_per_sm == 0:
-        return math.inf, 0.0
-    per_sm = plan.launch.blocks / device.sm_count
-    busiest = math.ceil(per_sm)
-    resident = plan.blocks_per_sm
-
-    def round_time(blocks: int) -> float:
-        return blocks / latency_efficiency(plan, blocks, device)
-
-    full_rounds, last_round = divmod(busiest, resident)
-    busiest_time = full_rounds * round_time(resident)
-    if last_round:
-        busiest_time += round_time(last_round)
-    return busiest_time / per_sm, resident / round_time(resident)
+def predict_time_ms(
+    plan: KernelPlan, device: DeviceProfile, params: CostParams | None = None
+) -> float:
+    return predict(plan, device, params).time_ms
 
 
-def latency_efficiency(plan: KernelPlan, resident_blocks: int, device: DeviceProfile) -> float:
-    """Fraction of an SM's issue rate that ``resident_blocks`` blocks of ``plan`` keep busy.
-
-    Chosen against H200 recordings of every feasible plan of three problems
-    (``bench/data``: 1x1x4096x128, 1x8x2048x128, 1x4x1024x64): counting warps
-    alone (16 per SM to saturate) ranked them with Spearman 0.32, 0.20 and
-    0.31; crediting the micro-tile's independent accumulators, with 0.86,
-    0.90 and 0.85, and the predicted best is the measured best (or within 3%).
-    ``LATENCY_CYCLES`` and ``MAX_ILP`` were picked from a small grid on those
-    three: revisit them as recordings of other shapes arrive.
-    """
-    ilp = plan.kernel_family.cost_terms(plan).ilp
-    warps = resident_blocks * plan.threads / device.warp_size
-    in_flight = warps / WARP_SCHEDULERS_PER_SM * min(ilp, MAX_ILP)
-    return min(1.0, in_flight / LATENCY_CYCLES)
+def predict_many(
+    plans: Sequence[KernelPlan], device: DeviceProfile, params: CostParams | None = None
+) -> list[float]:
+    """Predicted times of many plans in one vectorised pass (the search's ranking)."""
+    if not plans:
+        return []
+    times = model_times(feature_table(plans, device), device, params or calibrated())["time_ms"]
+    return [float(t) for t in times]
 
 
 def rank_correlation(

@@ -2,8 +2,9 @@
 
 Shows what the search would explore: the problem, the device limits planned
 against, the feasible candidates ranked by the cost model's predicted time
-(the order the search enqueues them in) and how many candidates were rejected
-for which reason.
+(the order the search starts from: the model sampler measures the first, then
+corrects the ranking as times arrive; TPE's queue takes the top ones in this
+order) and how many candidates were rejected for which reason.
 """
 
 from __future__ import annotations

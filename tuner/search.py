@@ -9,8 +9,10 @@ The study lives in Optuna's RDB storage (SQLite by default, see
 
 1. The cost model's best ``enqueue_top`` candidates (within the traffic
    cutoff, not yet evaluated in this study) are enqueued, best first.
-2. The sampler (``tpe``: multivariate TPE seeded with ``seed``; ``random``;
-   ``grid``: every feasible candidate once, see ``tuner.study_space``) proposes.
+2. The sampler (``model``: the cost model's ranking corrected by the measured
+   residuals, ``tuner.model_sampler``; ``tpe``: multivariate TPE seeded with
+   ``seed``; ``random``; ``grid``: every feasible candidate once, see
+   ``tuner.study_space``) proposes.
 3. Each proposal becomes a trial with one ``outcome`` user attribute:
 
    ============  ===========  =====================================  =======
@@ -66,7 +68,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -78,6 +80,7 @@ from tuner import claims
 from tuner.config import SearchConfig
 from tuner.costmodel import Prediction
 from tuner.errors import ConfigError, TunerError
+from tuner.model_sampler import ModelSampler
 from tuner.planner.tunable import KernelPlan
 from tuner.problem import Problem
 from tuner.study_space import Encoding, StudySpace
@@ -86,7 +89,7 @@ from tuner.trials import SearchResult, TrialOutcome
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "SearchResult", "open_storage", "run_search"]
 
-SAMPLERS = ("tpe", "random", "grid")
+SAMPLERS = ("model", "tpe", "random", "grid")
 #: free proposals (infeasible, skipped, duplicate) in a row before the search
 #: hands the sampler the best-predicted candidate it has not evaluated yet
 FREE_STREAK_LIMIT = 25
@@ -100,10 +103,23 @@ class _Unmeasured(Exception):
 
 
 def make_sampler(
-    name: str, seed: int, space: StudySpace, *, parallel: bool = False
+    name: str,
+    seed: int,
+    space: StudySpace,
+    *,
+    parallel: bool = False,
+    ranked: Sequence[tuple[KernelPlan, float]] = (),
 ) -> optuna.samplers.BaseSampler:
     """The sampler ``name``; ``parallel``: other workers share the study (TPE then
-    counts their running trials as bad, so it does not propose what they measure)."""
+    counts their running trials as bad, so it does not propose what they measure).
+    ``ranked``: the plans the ``model`` sampler may propose with their predicted ms
+    (``allowed_plans``)."""
+    if name == "model":
+        if space.encoding != encoding_for(name):
+            raise ConfigError("the model sampler proposes plan keys: give it a candidate space")
+        if not ranked:
+            ranked = [(plan, 1.0) for plan in space.feasible]
+        return ModelSampler([p for p, _ in ranked], [ms for _, ms in ranked], seed=seed)
     if name == "tpe":
         with warnings.catch_warnings():
             # ``group`` is experimental; it is what handles the family-conditional space.
@@ -119,13 +135,37 @@ def make_sampler(
 
 
 def encoding_for(sampler: str) -> Encoding:
-    """TPE learns from the tunables' structure; random and grid draw from the plans.
+    """TPE learns from the tunables' structure; the others draw from the plans.
 
     Random search over the structured space would spend half its draws on the
     ``family`` coin and so on the three scalar plans; uniform over the feasible
-    plans is the baseline worth comparing TPE with.
+    plans is the baseline worth comparing TPE with. The model sampler learns
+    from the tunables itself (``tuner.model_sampler``) and proposes plan keys.
     """
     return "structured" if sampler == "tpe" else "candidate"
+
+
+def allowed_plans(
+    space: StudySpace, predictions: Mapping[str, Prediction], traffic_cutoff: float
+) -> list[tuple[KernelPlan, float]]:
+    """The feasible plans within the traffic cutoff with their predicted ms, best first.
+
+    A plan whose predicted traffic exceeds ``traffic_cutoff`` times the
+    smallest is not worth a measurement; a plan without a prediction ranks last.
+    """
+
+    def traffic(plan: KernelPlan) -> int:
+        prediction = predictions.get(plan.key())
+        return prediction.traffic_bytes if prediction else plan.global_bytes
+
+    def predicted(plan: KernelPlan) -> float:
+        prediction = predictions.get(plan.key())
+        return prediction.time_ms if prediction else math.inf
+
+    cutoff = traffic_cutoff * min(traffic(plan) for plan in space.feasible)
+    allowed = [(plan, predicted(plan)) for plan in space.feasible if traffic(plan) <= cutoff]
+    allowed.sort(key=lambda item: (item[1], item[0].key()))
+    return allowed
 
 
 @contextlib.contextmanager
@@ -170,9 +210,10 @@ class _Search:
         self.stop_requested = False
         best_traffic = min(self._traffic(plan) for plan in space.feasible)
         self.cutoff_bytes = settings.traffic_cutoff * best_traffic
-        self.allowed = [p for p in space.feasible if self._traffic(p) <= self.cutoff_bytes]
         # Best predicted first: the enqueue order and the fallback order.
-        self.allowed.sort(key=lambda p: (self._predicted_ms(p), p.key()))
+        self.ranked = allowed_plans(space, predictions, settings.traffic_cutoff)
+        self.allowed = [plan for plan, _ in self.ranked]
+        self.allowed_keys = [plan.key() for plan in self.allowed]
         self.refresh()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -180,10 +221,6 @@ class _Search:
     def _traffic(self, plan: KernelPlan) -> int:
         prediction = self.predictions.get(plan.key())
         return prediction.traffic_bytes if prediction else plan.global_bytes
-
-    def _predicted_ms(self, plan: KernelPlan) -> float:
-        prediction = self.predictions.get(plan.key())
-        return prediction.time_ms if prediction else math.inf
 
     def refresh(self) -> None:
         """Read the shared study again: what counts, what is evaluated, what is in flight."""
@@ -200,16 +237,20 @@ class _Search:
     def unevaluated(self) -> list[KernelPlan]:
         """Allowed plans neither evaluated nor being measured by another worker."""
         busy = self.shared.in_flight
-        return [p for p in self.allowed if p.key() not in self.evaluated and p.key() not in busy]
+        evaluated = self.evaluated
+        return [
+            plan
+            for plan, key in zip(self.allowed, self.allowed_keys, strict=True)
+            if key not in evaluated and key not in busy
+        ]
 
     def remaining(self) -> int:
         return self.settings.n_trials - self.counted
 
     def enqueue_top(self) -> list[str]:
         """The top of the whole ranking: a resumed study does not enqueue the next ones."""
-        top = [
-            p for p in self.allowed[: self.settings.enqueue_top] if p.key() not in self.evaluated
-        ]
+        count = self.settings.enqueue_top
+        top = [p for p in self.allowed[:count] if p.key() not in self.evaluated]
         return self.enqueue(top, "cost model top")
 
     def enqueue(self, plans: list[KernelPlan], why: str) -> list[str]:
@@ -469,7 +510,11 @@ def run_search(
             study_name=study_name,
             direction="minimize",
             sampler=make_sampler(
-                settings.sampler, settings.seed + worker, space, parallel=parallel
+                settings.sampler,
+                settings.seed + worker,
+                space,
+                parallel=parallel,
+                ranked=allowed_plans(space, predictions, settings.traffic_cutoff),
             ),
             load_if_exists=True,
         )

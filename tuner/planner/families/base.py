@@ -74,6 +74,16 @@ class CostTerms:
     ``shared_bytes``: bytes through the shared-memory banks. ``ilp``:
     independent instructions per warp that hide latency. ``matmul_passes``:
     products the pipe executes per useful one (3 for the 3xTF32 split).
+    ``bytes_in_flight``: global-memory bytes one block keeps requested ahead of
+    its use (a ``cp.async`` ring's prefetched stages, or the tile a block loads
+    before its barrier): by Little's law, blocks x these bytes over the DRAM
+    latency bound the bandwidth a launch can draw. 0: not modelled (no limit).
+    ``pipelined``: the kernel's global loads run ahead of their use (a ``cp.async``
+    ring), so memory time overlaps the math; without it a block loads, waits at its
+    barrier, then computes, and the two add up more.
+    ``registers``: an estimate of the registers a thread takes (what ``ptxas``
+    would report), for occupancy where the compiler's report is not at hand (a
+    replay, the model backend); 0: no estimate (shared memory and threads alone).
     """
 
     matmul_pipe: MatmulPipe
@@ -83,6 +93,9 @@ class CostTerms:
     shared_lane_ops: int
     ilp: int
     matmul_passes: int = 1
+    bytes_in_flight: int = 0
+    pipelined: bool = False
+    registers: int = 0
 
 
 @dataclass(frozen=True, slots=True)

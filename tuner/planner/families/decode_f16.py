@@ -239,6 +239,9 @@ class DecodeF16(KernelFamily):
             shared_bytes=ELEMENT_BYTES * per_tile * tiles,
             shared_lane_ops=(cp_async_ops + ldmatrix_ops) * tiles,
             ilp=m_tiles * (keys_per_warp // 8) + d // 8,
+            # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            pipelined=True,
+            bytes_in_flight=(params.stages - 1) * 2 * params.block_n * d * p.element_bytes,
         )
 
 

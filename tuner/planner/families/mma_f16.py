@@ -57,6 +57,8 @@ MERGE_THREADS = 128
 #: non-matmul work per (query, key) pair: the scaled subtract (FFMA), max, sum,
 #: the pack to 16 bits (half an instruction a value), and the exp2 itself
 NON_MATMUL_FLOPS_PER_PAIR = 5
+#: registers a thread takes besides its accumulators and Q fragments (ptxas, sm_90)
+REGISTER_BASE = 70
 #: tiles per split; the largest values mean "no split" for any sequence up to 2**20 keys.
 DEFAULT_SPLIT_TARGETS: tuple[int, ...] = tuple(2**k for k in range(0, 17))
 
@@ -64,6 +66,23 @@ DEFAULT_SPLIT_TARGETS: tuple[int, ...] = tuple(2**k for k in range(0, 17))
 def mma_f16_shared_bytes(block_m: int, block_n: int, stages: int, head_dim: int) -> int:
     """Dynamic shared memory of ``kernels/mma_f16.cu``: Q's block and the K/V ring."""
     return ELEMENT_BYTES * (head_dim + SHARED_ROW_PAD) * (block_m + 2 * stages * block_n)
+
+
+def mma_f16_registers(
+    m_tiles: int, s_groups: int, block_n: int, head_dim: int, q_in_registers: bool
+) -> int:
+    """Registers a thread takes, as ptxas reports them (an estimate for occupancy).
+
+    Per m16 tile a thread holds head_dim / 2 fp32 O accumulators, per S group
+    block_n / 2 fp32 scores and their packed 16-bit copy (block_n / 4), and with
+    Q in registers head_dim / 4 of Q's fragments; about 70 more for addresses,
+    softmax state and the loop. Within 8 registers of ptxas (nvcc 13.0, sm_90,
+    head_dim 128: 160..255 over 86 variants of 4x16x4096x128, bf16, full and causal).
+    """
+    values = m_tiles * head_dim // 2 + (m_tiles // s_groups) * block_n * 3 // 4
+    if q_in_registers:
+        values += m_tiles * head_dim // 4
+    return min(REGISTER_BASE + values, 255)
 
 
 class MmaF16(KernelFamily):
@@ -252,6 +271,12 @@ class MmaF16(KernelFamily):
             # causal, 1x16x1000x128, 1x32x8192x128); with both, 0.55/0.71/0.74/0.31
             # (bench/costmodel_mma_f16.py on bench/results/mma_probe_2026-12-03).
             ilp=m_tiles // params.s_groups * (block_n // 8) + d // 8,
+            # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            pipelined=True,
+            bytes_in_flight=(params.stages - 1) * 2 * block_n * d * p.element_bytes,
+            registers=mma_f16_registers(
+                m_tiles, params.s_groups, block_n, d, bool(params.q_in_registers)
+            ),
         )
 
 

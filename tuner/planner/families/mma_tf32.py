@@ -69,6 +69,10 @@ NON_MATMUL_FLOPS_PER_PAIR = 4
 #: integer and float instructions that split one operand value into TF32 parts:
 #: round (add + mask) for hi; with three passes also the subtract and lo's round
 SPLIT_OPS = {3: 5, 1: 2}
+#: registers a thread takes besides its O and S accumulators, per number of passes (the
+#: split operands' hi and lo parts and S's second accumulator): ptxas on sm_90, head_dim
+#: 128, 20 variants of 1x1x4096x128: 142..255, the estimate within about 20 of each
+REGISTER_BASE = {1: 65, 3: 150}
 #: tiles per split; the largest values mean "no split" for any sequence up to 2**20 keys.
 DEFAULT_SPLIT_TARGETS: tuple[int, ...] = tuple(2**k for k in range(0, 17))
 
@@ -257,6 +261,10 @@ class MmaTf32(KernelFamily):
             shared_lane_ops=per_block_ops * block_tiles * bh,
             ilp=m_tiles * (block_n // 8 + d // 8),
             matmul_passes=passes,
+            # The ring prefetches stages - 1 (K, V) tile pairs while one is consumed.
+            pipelined=True,
+            bytes_in_flight=(params.stages - 1) * 2 * block_n * d * F32_BYTES,
+            registers=min(m_tiles * (d + block_n) // 2 + REGISTER_BASE[passes], 255),
         )
 
 

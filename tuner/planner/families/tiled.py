@@ -290,6 +290,8 @@ class Tiled(KernelFamily):
             shared_bytes=F32_BYTES * per_block * block_tiles * bh,
             shared_lane_ops=per_block_ops * block_tiles * bh,
             ilp=rows_per_thread * (tile // lanes),
+            # A tile of K and V is loaded, then the block waits at its barrier.
+            bytes_in_flight=2 * tile * d * plan.problem.element_bytes,
         )
 
 

@@ -336,6 +336,9 @@ class WgmmaF16(KernelFamily):
             # TMA writes a tile per instruction: no lane ops to count.
             shared_lane_ops=0,
             ilp=consumers * (block_n // 8 + d // 8),
+            # The TMA ring fetches stages - 1 (K, V) tile pairs ahead of the consumers.
+            pipelined=True,
+            bytes_in_flight=(params.stages - 1) * 2 * block_n * d * ELEMENT_BYTES,
         )
 
 
