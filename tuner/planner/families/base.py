@@ -35,7 +35,7 @@ from tuner.planner.launches import (
     scale_log2,
 )
 from tuner.planner.params import KernelParams
-from tuner.planner.plan import KernelPlan
+from tuner.planner.plan import KernelPlan, Launch
 from tuner.problem import Problem
 
 #: the pipes a family's matmul flops can run on; the cost model knows each one's rate
@@ -286,6 +286,21 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
     offset = plan.problem.causal_offset
     causal = rows * (rows * row_blocks * (row_blocks + 1) // 2 + row_blocks * (tile // 2 + offset))
     return min(causal, padded_rows * padded_keys)
+
+
+#: threads a block of the float4 split merge (``*_split_merge`` of the tensor-core families)
+MERGE_THREADS = 128
+
+
+def float4_merge_launch(
+    batch_heads: int, seq_len: int, head_dim: int, splits: int
+) -> Launch | None:
+    """The split merge's launch for kernels whose merge gives a thread one float4 of output
+    (mma_f16, mma_tf32, decode_f16, wgmma_f16); None without splits."""
+    if splits <= 1:
+        return None
+    blocks = div_ceil(batch_heads * seq_len * (head_dim // 4), MERGE_THREADS)
+    return Launch(grid=(blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0)
 
 
 def split_kv_launches(

@@ -29,6 +29,7 @@ from tuner.planner.families.base import (
     KernelFamily,
     Tunable,
     checked_u32,
+    float4_merge_launch,
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
@@ -50,7 +51,6 @@ MAX_HEAD_DIM = 256
 #: the query lengths this family serves; longer queries are prefill (mma_f16)
 MAX_QUERY_ROWS = 16
 GRID_YZ_LIMIT = 65535
-MERGE_THREADS = 128
 #: non-matmul work per executed (row, key) pair: scaled subtract, max, sum, pack, exp2
 NON_MATMUL_FLOPS_PER_PAIR = 5
 SPLIT_COUNTS: tuple[int, ...] = tuple(2**k for k in range(0, 10))
@@ -144,12 +144,7 @@ class DecodeF16(KernelFamily):
             reason = f"split scratch of {partial} floats overflows u32"
 
         launch = Launch(grid=(row_blocks, splits, bkv), block=(threads, 1, 1), shared_bytes=shared)
-        reduce_launch = None
-        if splits > 1:
-            merge_blocks = div_ceil(bh * n * (d // 4), MERGE_THREADS)
-            reduce_launch = Launch(
-                grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
-            )
+        reduce_launch = float4_merge_launch(bh, n, d, splits)
         element = problem.element_bytes
         # K and V cross DRAM once per (KV head, split, row block): the group shares them.
         read = element * (bh * n * d + 2 * bkv * row_blocks * m * d)

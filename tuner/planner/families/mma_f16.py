@@ -29,6 +29,7 @@ from tuner.planner.families.base import (
     Tunable,
     checked_u32,
     executed_pairs,
+    float4_merge_launch,
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
@@ -52,8 +53,6 @@ MMA_M, MMA_K = 16, 16
 MAX_HEAD_DIM = 256
 #: the CUDA grid's y and z limits (splits, batch x heads)
 GRID_YZ_LIMIT = 65535
-#: threads of the merge kernel's blocks (one group of 4 output elements each)
-MERGE_THREADS = 128
 #: non-matmul work per (query, key) pair: the scaled subtract (FFMA), max, sum,
 #: the pack to 16 bits (half an instruction a value), and the exp2 itself
 NON_MATMUL_FLOPS_PER_PAIR = 5
@@ -159,12 +158,7 @@ class MmaF16(KernelFamily):
             reason = f"split scratch of {partial} floats overflows u32"
 
         launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
-        reduce_launch = None
-        if splits > 1:
-            merge_blocks = div_ceil(bh * n * (d // 4), MERGE_THREADS)
-            reduce_launch = Launch(
-                grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
-            )
+        reduce_launch = float4_merge_launch(bh, n, d, splits)
         element = problem.element_bytes
         # Every block loads its own query head's KV head: a group's query heads read
         # the same K/V rows once each. Counted as requests (what L2 serves); DRAM

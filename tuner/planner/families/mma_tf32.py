@@ -30,6 +30,7 @@ from tuner.planner.families.base import (
     Tunable,
     checked_u32,
     executed_pairs,
+    float4_merge_launch,
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
@@ -62,8 +63,6 @@ MAX_ACCUMULATORS = 144
 PASSES = (3, 1)
 #: the CUDA grid's y and z limits (splits, batch x heads)
 GRID_YZ_LIMIT = 65535
-#: threads of the merge kernel's blocks (one group of 4 output elements each)
-MERGE_THREADS = 128
 #: non-matmul work per (query, key) pair: the scaled subtract (FFMA), max, sum and exp2
 NON_MATMUL_FLOPS_PER_PAIR = 4
 #: integer and float instructions that split one operand value into TF32 parts:
@@ -161,12 +160,7 @@ class MmaTf32(KernelFamily):
             reason = f"split scratch of {partial} floats overflows u32"
 
         launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
-        reduce_launch = None
-        if splits > 1:
-            merge_blocks = div_ceil(bh * n * (d // 4), MERGE_THREADS)
-            reduce_launch = Launch(
-                grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
-            )
+        reduce_launch = float4_merge_launch(bh, n, d, splits)
         # Each block loads its own query head's KV head: a group's query heads read the
         # same K/V rows once each (counted as requests; L2 serves the repeats).
         key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)

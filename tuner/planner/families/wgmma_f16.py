@@ -27,6 +27,7 @@ from tuner.planner.families.base import (
     Tunable,
     checked_u32,
     executed_pairs,
+    float4_merge_launch,
     key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
@@ -65,7 +66,6 @@ CONSUMER_OVERHEAD_REGISTERS = 48
 HEAD_DIMS = (64, 128)
 BLOCK_NS = (64, 128)
 GRID_YZ_LIMIT = 65535
-MERGE_THREADS = 128
 #: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
 NON_MATMUL_FLOPS_PER_PAIR = 5
 #: mbarriers: q_full, then k_full, v_full and kv_empty per stage; 8 bytes each
@@ -236,12 +236,7 @@ class WgmmaF16(KernelFamily):
             reason = f"split scratch of {partial} floats overflows u32"
 
         launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
-        reduce_launch = None
-        if splits > 1:
-            merge_blocks = div_ceil(bh * n * (d // 4), MERGE_THREADS)
-            reduce_launch = Launch(
-                grid=(merge_blocks, 1, 1), block=(MERGE_THREADS, 1, 1), shared_bytes=0
-            )
+        reduce_launch = float4_merge_launch(bh, n, d, splits)
         element = problem.element_bytes
         key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)
         read = element * bh * (n * d + 2 * key_rows * d)
