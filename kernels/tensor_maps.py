@@ -44,9 +44,6 @@ class EncodedTensorMap:
         self.value = (ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8)).from_address(aligned)
         self.address = spec.address
 
-    def bytes(self) -> bytes:
-        return ctypes.string_at(ctypes.addressof(self.value), TENSOR_MAP_BYTES)
-
 
 def encode(spec: TensorMap, library: Any) -> EncodedTensorMap:
     """``cuTensorMapEncodeTiled`` of ``spec`` through ``library`` (libcuda, see
