@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 #: element types of q, k, v and out; the half types are 2-byte elements
@@ -13,6 +14,50 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 FLOAT32_PRECISIONS = ("tf32x3", "tf32")
 #: the precision a float32 problem gets when none is asked for
 DEFAULT_FLOAT32_PRECISION = "tf32x3"
+#: a window bound that cuts nothing (FlashAttention's convention)
+UNBOUNDED = -1
+
+
+def visible_keys_total(seq_len: int, kv_len: int, lowest: int | None, highest: int | None) -> int:
+    """Sum over query rows ``r`` of the keys ``k`` in ``[0, kv_len)`` with
+    ``r + lowest <= k <= r + highest`` (``None``: that side unbounded).
+
+    The closed form of what a mask leaves visible, in exact integers: the count per row is
+    piecewise linear in ``r`` (it grows, stays flat, shrinks as the band enters and leaves
+    the key range), so the total is a few arithmetic series, whatever the lengths.
+    """
+    n, m = seq_len, kv_len
+    # An open side, or a bound beyond every row's reach, is the same as n + m keys away.
+    lo = -n - m if lowest is None else max(lowest, -n - m)
+    hi = n + m if highest is None else min(highest, n + m)
+    if n <= 0 or m <= 0 or lo > hi:
+        return 0
+
+    def count(r: int) -> int:
+        return max(0, min(m - 1, r + hi) - max(0, r + lo) + 1)
+
+    # Where the count changes its linear piece: r + lo reaches 0 (the band's low end enters
+    # the keys), r + hi reaches m - 1 (its high end leaves them), and the first row that
+    # sees a key (r + hi = 0) and the first that sees none again (r + lo = m).
+    cuts = sorted({0, n, *(c for c in (-lo, m - 1 - hi, -hi, m - lo) if 0 < c < n)})
+    total = 0
+    for start, stop in zip(cuts, cuts[1:], strict=False):
+        # Linear on [start, stop - 1] (each piece's ends decide; zero pieces included).
+        first, last = count(start), count(stop - 1)
+        total += (first + last) * (stop - start) // 2
+    return total
+
+
+def variant_error(window_left: int, window_right: int, softcap: float) -> str:
+    """Why variant settings cannot make a problem ("" when they can)."""
+    for name, value in (("window_left", window_left), ("window_right", window_right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < UNBOUNDED:
+            return f"{name}={value!r} must be an integer >= 0, or -1 for no bound"
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        return f"softcap={softcap!r} must be a number >= 0 (0: no cap)"
+    if not math.isfinite(softcap) or softcap < 0:
+        return f"softcap={softcap!r} must be a finite number >= 0 (0: no cap)"
+    return ""
 
 
 def shape_error(
@@ -58,6 +103,21 @@ class Problem:
     for the half dtypes it does not apply and is "". The accurate precision is
     left out of labels and names, so every problem from before the field
     existed keeps its label, study name and registry row.
+
+    The variants real models run (FlashAttention's conventions), all off by default:
+
+    * ``window_left``, ``window_right``: query row ``r`` sees keys in ``[r + off -
+      window_left, r + off + window_right]`` with ``off = kv_len - seq_len`` (the
+      bottom-right alignment of causal masking), ``-1`` for no bound on that side; with
+      ``causal`` the right bound is the diagonal. A bound that cuts no key of this shape is
+      stored as ``-1`` (Mistral's 4096 window at a 2048-token prefill is plain causal), so
+      a problem has one identity whatever window was asked for;
+    * ``softcap``: logits ``s = q.k * scale`` become ``softcap * tanh(s / softcap)``
+      (Gemma 2's 50.0); 0 for none;
+    * ``alibi``: a bias ``-slope_h * |r + off - k|`` per query head ``h`` (BLOOM, MPT);
+      the slopes are run-time data (tuning uses the standard ``2^(-8(h+1)/heads)``);
+    * ``sinks``: one logit per query head that joins the softmax's denominator only
+      (gpt-oss); the values are run-time data.
     """
 
     seq_len: int
@@ -69,15 +129,30 @@ class Problem:
     kv_heads: int = None  # type: ignore[assignment]  # None: heads
     kv_len: int = None  # type: ignore[assignment]  # None: seq_len
     precision: str = ""
+    window_left: int = UNBOUNDED
+    window_right: int = UNBOUNDED
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
-        reason = shape_error(self.seq_len, self.heads, self.causal, self.kv_heads, self.kv_len)
+        reason = shape_error(
+            self.seq_len, self.heads, self.causal, self.kv_heads, self.kv_len
+        ) or variant_error(self.window_left, self.window_right, self.softcap)
         if reason:
             raise ValueError(reason)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.kv_len is None:
             object.__setattr__(self, "kv_len", self.seq_len)
+        object.__setattr__(self, "softcap", float(self.softcap))
+        object.__setattr__(self, "alibi", bool(self.alibi))
+        object.__setattr__(self, "sinks", bool(self.sinks))
+        # One identity per visible set: bounds that cut nothing are no bounds.
+        if self.causal or self.window_right >= self.seq_len - 1:
+            object.__setattr__(self, "window_right", UNBOUNDED)
+        if self.window_left >= self.kv_len - 1:
+            object.__setattr__(self, "window_left", UNBOUNDED)
         if self.dtype == "float32":
             if not self.precision:
                 object.__setattr__(self, "precision", DEFAULT_FLOAT32_PRECISION)
@@ -124,14 +199,40 @@ class Problem:
         return self.kv_len - self.seq_len
 
     @property
+    def windowed(self) -> bool:
+        """Whether a sliding window bounds what a row sees (besides causal masking)."""
+        return self.window_left != UNBOUNDED or self.window_right != UNBOUNDED
+
+    @property
+    def has_variant(self) -> bool:
+        """Whether any of the variants (window, softcap, ALiBi, sinks) is on."""
+        return self.windowed or self.softcap > 0 or self.alibi or self.sinks
+
+    @property
+    def visible_offsets(self) -> tuple[int | None, int | None]:
+        """The keys row ``r`` sees, as offsets from ``r``: ``[r + low, r + high]`` (None: no
+        bound on that side), from the causal diagonal and the window together."""
+        off = self.causal_offset
+        low = None if self.window_left == UNBOUNDED else off - self.window_left
+        if self.causal:
+            high: int | None = off
+        elif self.window_right != UNBOUNDED:
+            high = off + self.window_right
+        else:
+            high = None
+        return low, high
+
+    @property
     def attended_pairs(self) -> int:
         """(query, key) pairs that contribute, per (batch, query head).
 
         Causal keeps ``k <= r + kv_len - seq_len`` (bottom-right): row ``r`` sees
-        ``r + 1 + kv_len - seq_len`` keys.
+        ``r + 1 + kv_len - seq_len`` keys; a window keeps its band of those.
         """
         n, m = self.seq_len, self.kv_len
-        return n * (m - n) + n * (n + 1) // 2 if self.causal else n * m
+        if not self.windowed:
+            return n * (m - n) + n * (n + 1) // 2 if self.causal else n * m
+        return visible_keys_total(n, m, *self.visible_offsets)
 
     @property
     def useful_flops(self) -> int:
@@ -168,9 +269,29 @@ class Problem:
             rows += f"{rows_separator}{self.kv_len}"
         return f"{self.batch}x{heads}x{rows}x{self.head_dim}"
 
+    def variant_text(self, separator: str = " ") -> str:
+        """The variants that are on, e.g. ``window=4096 softcap=50`` ("" for none; a window
+        reads ``window=L`` with the left bound only, ``window=L,R`` with both, ``-1`` for
+        an open side)."""
+        parts = []
+        if self.windowed:
+            window = str(self.window_left)
+            if self.window_right != UNBOUNDED:
+                window += f",{self.window_right}"
+            parts.append(f"window={window}")
+        if self.softcap > 0:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.alibi:
+            parts.append("alibi")
+        if self.sinks:
+            parts.append("sinks")
+        return separator.join(parts)
+
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"{self.shape_text()} {self.dtype_label} {mask}"
+        variants = self.variant_text()
+        label = f"{self.shape_text()} {self.dtype_label} {mask}"
+        return f"{label} {variants}" if variants else label
 
     @property
     def dtype_label(self) -> str:
