@@ -1,7 +1,9 @@
 """Kernel sources plus compile-time constants -> cubins, compiled in parallel and cached on disk.
 
 A kernel variant is its family, its constants (``KernelPlan.compile_defines``),
-the hash of its ``.cu`` text, the target arch and the nvcc that compiled it.
+the hash of its source (the ``.cu`` and every header it includes from the shared device
+layer under ``kernels/include/``, transitively), the target arch and the nvcc that
+compiled it.
 ``seq_len`` and the split partition are launch arguments, so many plans share
 one variant: ``compile_many`` compiles each variant once.
 
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from tuner.planner.plan import KernelPlan
 
 KERNEL_DIR = Path(__file__).resolve().parent
+#: the shared device layer (``fa/*.cuh``), on nvcc's include path
+INCLUDE_DIR = KERNEL_DIR / "include"
 DEFAULT_ARCH = "sm_90"
 #: bumped when the flags or the cache layout change, so old entries are never served
 CACHE_FORMAT = 1
@@ -167,9 +171,41 @@ def source_path(family: str) -> Path:
     return KERNEL_DIR / _family(family).source
 
 
+#: ``#include "path"`` (quoted: the project's own headers; <system> headers are the toolkit's)
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def included_files(source: Path) -> tuple[Path, ...]:
+    """``source`` and every file it includes with quotes, transitively, each once, in the
+    order first reached: what its compiled code depends on besides the toolkit. A quoted
+    include resolves as nvcc resolves it: beside the including file, then in ``INCLUDE_DIR``;
+    one found in neither is left out here (nvcc reports it when compiling)."""
+    seen: dict[Path, None] = {}
+    pending = [source.resolve()]
+    while pending:
+        path = pending.pop(0)
+        if path in seen:
+            continue
+        seen[path] = None
+        for name in _QUOTED_INCLUDE.findall(path.read_text()):
+            for directory in (path.parent, INCLUDE_DIR):
+                candidate = (directory / name).resolve()
+                if candidate.is_file():
+                    pending.append(candidate)
+                    break
+    return tuple(seen)
+
+
 def source_hash(family: str) -> str:
-    """sha256 of the family's ``.cu`` text: the registry never serves a plan of other source."""
-    return hashlib.sha256(source_path(family).read_bytes()).hexdigest()
+    """sha256 over the family's ``.cu`` and every header it includes (names relative to
+    ``kernels/`` and bytes): the registry never serves a plan of other source, and a change
+    to a shared header changes the hash of exactly the families that include it."""
+    digest = hashlib.sha256()
+    for path in included_files(source_path(family)):
+        inside = path.is_relative_to(KERNEL_DIR)
+        name = path.relative_to(KERNEL_DIR).as_posix() if inside else path.name
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- nvcc
@@ -215,6 +251,7 @@ def nvcc_command(nvcc: str, spec: KernelSpec, arch: str, output: Path) -> list[s
         nvcc,
         *spec.nvcc_flags,
         f"-arch={spec.arch(arch)}",
+        f"-I{INCLUDE_DIR}",
         *defines,
         "-o",
         str(output),

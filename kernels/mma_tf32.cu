@@ -40,14 +40,17 @@
 //   q, out: [batch * heads][seq_len][HEAD_DIM]; k, v: [batch * kv_heads][kv_len][HEAD_DIM];
 //   query head bh reads KV head bh / group (group = heads / kv_heads), sharing K/V
 //   with the other heads of its group through L2 only.
-// Causal masking is bottom-right aligned (query row r sees keys
-// k <= r + kv_len - seq_len) with the heaviest row blocks scheduled first.
+// Masks (causal bottom-right, sliding window), score modifications (softcap, ALiBi),
+// sinks, the split-KV contract and the split merge are the shared device layer's
+// (include/fa/), with the heaviest causal row blocks scheduled first.
 // With one split the kernel writes the normalised float32 output; with several
 // it writes float32 partial outputs (normalised per split) and their
 // log2-sum-exp, which mma_tf32_split_merge combines.
 
-#include <stdint.h>
+#include "fa/forward.cuh"
+#include "fa/variant_switches.cuh"
 
+// Defaults: the planner's default plan (tuner/planner/families/mma_tf32.py).
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
@@ -63,9 +66,6 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-#ifndef CAUSAL
-#define CAUSAL 0
-#endif
 #ifndef PASSES
 #define PASSES 3
 #endif
@@ -76,37 +76,19 @@
 #define N_TILES (BLOCK_N / 8)     // n8 tiles of S per m tile (= k8 steps of P V)
 #define D_TILES (HEAD_DIM / 8)    // n8 tiles of O per m tile (= k8 steps of Q K^T)
 #define ROW_STRIDE (HEAD_DIM + 4) // floats per shared-memory row
-#define CHUNKS_PER_ROW (HEAD_DIM / 4)
 
 static_assert(HEAD_DIM % 8 == 0, "HEAD_DIM must be a multiple of 8");
 static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
 static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole m16 tiles");
 static_assert(M_TILES >= 1 && M_TILES <= 2, "16 or 32 rows per warp");
-static_assert(STAGES >= 2, "the ring needs two stages");
 static_assert(PASSES == 1 || PASSES == 3, "one TF32 pass or the 3xTF32 split");
 
-// ---------------------------------------------------------------- primitives
+struct Traits : fa::SwitchedVariant {
+    using Ring = fa::KVRing<float, HEAD_DIM, ROW_STRIDE, THREADS, BLOCK_N, STAGES>;
+    using QCopy = fa::TileCopy<float, HEAD_DIM, ROW_STRIDE, THREADS>;
+};
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                            uint32_t& r3, uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
+// ---------------------------------------------------------------- the TF32 split
 
 // Round to TF32 (10 explicit significand bits), to nearest with ties away from
 // zero: add half a TF32 ulp to the bit pattern, then clear the 13 low bits.
@@ -135,86 +117,25 @@ __device__ __forceinline__ Split split(uint32_t bits) {
     return s;
 }
 
-__device__ __forceinline__ void mma_1688(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // D += A B with A, B split: lo*hi + hi*lo, then hi*hi (or hi*hi alone).
 __device__ __forceinline__ void mma_split(float* d, const Split* a, Split b0, Split b1) {
 #if PASSES == 3
-    mma_1688(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
-    mma_1688(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+    fa::mma_1688_tf32(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+    fa::mma_1688_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
 #endif
-    mma_1688(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+    fa::mma_1688_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
 }
 
 // The small products alone (lo*hi + hi*lo) and the large one alone, for
 // accumulators kept apart (see S = Q K^T).
 __device__ __forceinline__ void mma_small(float* d, const Split* a, Split b0, Split b1) {
 #if PASSES == 3
-    mma_1688(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
-    mma_1688(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+    fa::mma_1688_tf32(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+    fa::mma_1688_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
 #endif
 }
 __device__ __forceinline__ void mma_big(float* d, const Split* a, Split b0, Split b1) {
-    mma_1688(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// A [ROWS x HEAD_DIM] float tile global -> shared by cp.async, 16 bytes a
-// thread per pass; rows at or past valid_rows are zero-filled.
-template <int ROWS, bool CHECK_ROWS>
-__device__ __forceinline__ void load_tile_async(float* smem, const float* gmem, int valid_rows,
-                                                int tid) {
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-    if constexpr (ROWS_PER_PASS >= 1 && THREADS % CHUNKS_PER_ROW == 0) {
-        const int row = tid / CHUNKS_PER_ROW;
-        const int col = (tid % CHUNKS_PER_ROW) * 4;
-        const uint32_t dst = smem_addr(smem + row * ROW_STRIDE + col);
-        const float* src = gmem + row * HEAD_DIM + col;
-#pragma unroll
-        for (int pass = 0; pass < (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++pass) {
-            const int r = row + pass * ROWS_PER_PASS;
-            if (ROWS % ROWS_PER_PASS != 0 && r >= ROWS) break;
-            const bool valid = !CHECK_ROWS || r < valid_rows;
-            cp_async_16(dst + pass * ROWS_PER_PASS * ROW_STRIDE * 4, valid ? src : gmem,
-                        valid ? 16 : 0);
-            // An opaque step keeps the compiler from hoisting one 64-bit address per pass.
-            src += ROWS_PER_PASS * HEAD_DIM;
-            asm volatile("" : "+l"(src));
-        }
-    } else {
-        for (int c = tid; c < ROWS * CHUNKS_PER_ROW; c += THREADS) {
-            const int r = c / CHUNKS_PER_ROW;
-            const int col = (c % CHUNKS_PER_ROW) * 4;
-            const bool valid = !CHECK_ROWS || r < valid_rows;
-            cp_async_16(smem_addr(smem + r * ROW_STRIDE + col),
-                        valid ? gmem + r * HEAD_DIM + col : gmem, valid ? 16 : 0);
-        }
-    }
-}
-
-__device__ __forceinline__ void load_kv_async(float* s_kv, const float* k_bh, const float* v_bh,
-                                              int key0, int kv_len, int slot, int tid) {
-    float* s_k = s_kv + (2 * slot) * BLOCK_N * ROW_STRIDE;
-    const size_t offset = (size_t)key0 * HEAD_DIM;
-    if (key0 + BLOCK_N <= kv_len) {
-        load_tile_async<BLOCK_N, false>(s_k, k_bh + offset, BLOCK_N, tid);
-        load_tile_async<BLOCK_N, false>(s_k + BLOCK_N * ROW_STRIDE, v_bh + offset, BLOCK_N, tid);
-    } else {
-        load_tile_async<BLOCK_N, true>(s_k, k_bh + offset, kv_len - key0, tid);
-        load_tile_async<BLOCK_N, true>(s_k + BLOCK_N * ROW_STRIDE, v_bh + offset,
-                                       kv_len - key0, tid);
-    }
+    fa::mma_1688_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
 }
 
 // ---------------------------------------------------------------- attention
@@ -223,46 +144,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
                    const float* __restrict__ v, float* __restrict__ out,
                    float* __restrict__ partial_o, float* __restrict__ partial_lse, int seq_len,
-                   int kv_len, int group, int keys_per_split, float scale_log2) {
+                   int kv_len, int group, int keys_per_split, float scale_log2, int heads,
+                   int window_left, int window_right, float softcap,
+                   const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
+                   float* __restrict__ lse) {
     extern __shared__ __align__(128) unsigned char shared_raw[];
     float* s_q = reinterpret_cast<float*>(shared_raw);
-    float* s_kv = s_q + BLOCK_M * ROW_STRIDE;  // STAGES x (K tile, V tile)
+    const Traits::Ring ring{s_q + BLOCK_M * ROW_STRIDE};  // STAGES x (K tile, V tile)
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int g = lane / 4;
     const int t = lane % 4;
-    int m_block = blockIdx.x;
-    int bh = blockIdx.z;
-    if (CAUSAL) {
-        // Heaviest row blocks first, across every (batch, head).
-        const int linear = blockIdx.z * gridDim.x + blockIdx.x;
-        m_block = gridDim.x - 1 - linear / gridDim.z;
-        bh = linear % gridDim.z;
-    }
-    const int split_index = blockIdx.y;
-    const int splits = gridDim.y;
-    const int row0 = m_block * BLOCK_M;
+    const fa::RowBlock<Traits, BLOCK_M, BLOCK_N> block(seq_len, kv_len, group, keys_per_split,
+                                                      window_left, window_right);
+    const int bh = block.bh, row0 = block.row0, splits = block.splits;
+    const Traits::MaskType& mask = block.mask;
+    const fa::KeyTiles& tiles = block.tiles;
+    const Traits::ScoreModType score_mod =
+        block.score_mod(scale_log2, softcap, seq_len, kv_len, alibi_slopes, heads);
 
     const float* q_bh = q + (size_t)bh * seq_len * HEAD_DIM;
-    // Query head bh reads KV head bh / group (grouped-query attention).
-    const float* k_bh = k + (size_t)(bh / group) * kv_len * HEAD_DIM;
-    const float* v_bh = v + (size_t)(bh / group) * kv_len * HEAD_DIM;
+    const float* k_bh = k + (size_t)block.kv_bh * kv_len * HEAD_DIM;
+    const float* v_bh = v + (size_t)block.kv_bh * kv_len * HEAD_DIM;
 
-    const int causal_offset = kv_len - seq_len;
-    const int key_begin = split_index * keys_per_split;
-    int key_end = min(kv_len, key_begin + keys_per_split);
-    if (CAUSAL) key_end = min(key_end, row0 + BLOCK_M + causal_offset);
-    const int n_tiles = key_end > key_begin ? (key_end - key_begin + BLOCK_N - 1) / BLOCK_N : 0;
-
-    load_tile_async<BLOCK_M, true>(s_q, q_bh + (size_t)row0 * HEAD_DIM, seq_len - row0, tid);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_tiles) load_kv_async(s_kv, k_bh, v_bh, key_begin + s * BLOCK_N, kv_len, s, tid);
-        cp_async_commit();
-    }
+    Traits::QCopy::load<BLOCK_M, true>(s_q, q_bh + (size_t)row0 * HEAD_DIM, seq_len - row0, tid);
+    fa::cp_async_commit();
+    ring.prefetch(tiles.count, k_bh, v_bh, tiles.begin, kv_len, tid);
 
     // ldmatrix row addresses: lanes 8i..8i+7 address matrix i.
     const int a_row = (lane % 8) + ((lane / 8) % 2) * 8;  // Q: a0 a1 a2 a3
@@ -270,39 +179,23 @@ mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
     const int b_row = (lane % 8) + (lane / 16) * 8;       // K: (b0 b1) of two n8 tiles
     const int b_col = ((lane / 8) % 2) * 4;
 
-    cp_async_wait<STAGES - 1>();
+    fa::cp_async_wait<STAGES - 1>();
     __syncthreads();
     const float* s_q_warp = s_q + warp * ROWS_PER_WARP * ROW_STRIDE;
 
     float o_acc[M_TILES][D_TILES][4];
-    float row_max[M_TILES][2];
-    float row_sum[M_TILES][2];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] = 0.f;
-        row_max[mt][0] = row_max[mt][1] = -INFINITY;
-        row_sum[mt][0] = row_sum[mt][1] = 0.f;
-    }
+    fa::fill_zero<M_TILES * D_TILES * 4>(&o_acc[0][0][0]);
+    fa::SoftmaxRows softmax[M_TILES];
     const int warp_row0 = row0 + warp * ROWS_PER_WARP;
+    const int warp_row_last = warp_row0 + ROWS_PER_WARP - 1;
 
-    for (int tile = 0; tile < n_tiles; ++tile) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        {
-            const int next = tile + STAGES - 1;
-            if (next < n_tiles)
-                load_kv_async(s_kv, k_bh, v_bh, key_begin + next * BLOCK_N, kv_len, next % STAGES,
-                              tid);
-            cp_async_commit();
-        }
-        const float* s_k = s_kv + (2 * (tile % STAGES)) * BLOCK_N * ROW_STRIDE;
-        const float* s_v = s_k + BLOCK_N * ROW_STRIDE;
-        const int key0 = key_begin + tile * BLOCK_N;
+    for (int tile = 0; tile < tiles.count; ++tile) {
+        ring.advance(tile, tiles.count, k_bh, v_bh, tiles.begin, kv_len, tid);
+        const float* s_k = ring.key_tile(tile % STAGES);
+        const float* s_v = ring.value_tile(tile % STAGES);
+        const int key0 = tiles.begin + tile * BLOCK_N;
 
-        if (CAUSAL && key0 > warp_row0 + ROWS_PER_WARP - 1 + causal_offset) continue;
+        if (mask.skipped(key0, BLOCK_N, warp_row0, warp_row_last)) continue;
 
         // ---- S = Q K^T, k8 steps over the head dimension. The tensor cores add
         // into an fp32 accumulator by truncation (not round to nearest), so every
@@ -331,16 +224,18 @@ mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 uint32_t r[4];
-                ldmatrix_x4(r[0], r[1], r[2], r[3],
-                            smem_addr(s_q_warp + (mt * 16 + a_row) * ROW_STRIDE + ds * 8 + a_col));
+                fa::ldmatrix_x4(r[0], r[1], r[2], r[3],
+                                fa::smem_addr(s_q_warp + (mt * 16 + a_row) * ROW_STRIDE + ds * 8 +
+                                              a_col));
 #pragma unroll
                 for (int i = 0; i < 4; ++i) a[mt][i] = split(r[i]);
             }
 #pragma unroll
             for (int np = 0; np < N_TILES / 2; ++np) {
                 uint32_t r[4];
-                ldmatrix_x4(r[0], r[1], r[2], r[3],
-                            smem_addr(s_k + (np * 16 + b_row) * ROW_STRIDE + ds * 8 + b_col));
+                fa::ldmatrix_x4(r[0], r[1], r[2], r[3],
+                                fa::smem_addr(s_k + (np * 16 + b_row) * ROW_STRIDE + ds * 8 +
+                                              b_col));
                 const Split b0 = split(r[0]), b1 = split(r[1]), b2 = split(r[2]),
                             b3 = split(r[3]);
 #pragma unroll
@@ -363,53 +258,18 @@ mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
                 for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] += s_small[mt][nt][i];
 #endif
 
-        // ---- mask: keys past kv_len and, under causal, past the diagonal
-        const bool tail = key0 + BLOCK_N > kv_len;
-        const bool diagonal = CAUSAL && (key0 + BLOCK_N - 1 > warp_row0 + causal_offset);
-        if (tail || diagonal) {
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int key = key0 + nt * 8 + 2 * t + (i % 2);
-                        const int row = warp_row0 + mt * 16 + g + (i / 2) * 8;
-                        bool masked = key >= kv_len;
-                        if (CAUSAL) masked = masked || key > row + causal_offset;
-                        if (masked) s_acc[mt][nt][i] = -INFINITY;
-                    }
-        }
-
-        // ---- online softmax and O += P V, one m16 tile at a time
+        // ---- score modifications, then the mask (keys past kv_len, the causal
+        // diagonal, the window), then the online softmax and O += P V, one m16 tile
+        // at a time
+        const bool partial = mask.partial(key0, BLOCK_N, warp_row0, warp_row_last);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
+            const int rows[2] = {warp_row0 + mt * 16 + fa::fragment_row(lane, 0),
+                                 warp_row0 + mt * 16 + fa::fragment_row(lane, 1)};
+            score_mod.apply<N_TILES>(&s_acc[mt][0][0], key0, rows, lane);
+            if (partial) mask.apply<N_TILES>(&s_acc[mt][0][0], key0, rows, lane);
             float corrections[2];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-                    tile_max = fmaxf(tile_max,
-                                     fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-                const float new_max = fmaxf(row_max[mt][half], tile_max * scale_log2);
-                const float base = new_max == -INFINITY ? 0.f : new_max;
-                const float correction = fast_exp2(row_max[mt][half] - base);
-                row_max[mt][half] = new_max;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-                    const float p0 = fast_exp2(s_acc[mt][nt][2 * half] * scale_log2 - base);
-                    const float p1 = fast_exp2(s_acc[mt][nt][2 * half + 1] * scale_log2 - base);
-                    s_acc[mt][nt][2 * half] = p0;
-                    s_acc[mt][nt][2 * half + 1] = p1;
-                    sum += p0 + p1;
-                }
-                row_sum[mt][half] = row_sum[mt][half] * correction + sum;
-                corrections[half] = correction;
-            }
+            softmax[mt].update<N_TILES>(&s_acc[mt][0][0], score_mod.softmax_scale(), corrections);
             // A column t is key 2t, column t + 4 is key 2t + 1 (see the head comment).
             const float* v_rows = s_v + 2 * t * ROW_STRIDE + g;
 #if PASSES == 3
@@ -443,10 +303,7 @@ mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
 #else
             // One pass: TF32's own rounding (2^-11) dwarfs the truncation bias, so O
             // accumulates in place, every n8 tile of O an independent mma chain.
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] *= corrections[i / 2];
+            fa::rescale_rows<D_TILES>(&o_acc[mt][0][0], corrections);
 #pragma unroll
             for (int ks = 0; ks < N_TILES; ++ks) {
                 Split p[4];
@@ -465,79 +322,44 @@ mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
 #endif
         }
     }
-    cp_async_wait<0>();
-
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float s = row_sum[mt][half];
-            s += __shfl_xor_sync(0xffffffff, s, 1);
-            s += __shfl_xor_sync(0xffffffff, s, 2);
-            row_sum[mt][half] = s;
-        }
+    fa::cp_async_wait<0>();
 
     // One split: the normalised output. Several: float32 partial outputs
     // (normalised by this split's sum) and the split's log2-sum-exp (-inf where
     // the split saw no key of the row). A quad writes 32 contiguous bytes a row.
     const bool partial = splits > 1;
-    const size_t part_row0 = ((size_t)bh * splits + split_index) * seq_len;
+    const size_t part_row0 = ((size_t)bh * splits + block.split) * seq_len;
+    const float sink = Traits::sink(sinks, bh % heads);
     float* out_bh = out + (size_t)bh * seq_len * HEAD_DIM;
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        softmax[mt].finish();
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int row = warp_row0 + mt * 16 + g + half * 8;
+            const int row = warp_row0 + mt * 16 + fa::fragment_row(lane, half);
             if (row >= seq_len) continue;
-            const float l = row_sum[mt][half];
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            float* dst = (partial ? partial_o + (part_row0 + row) * HEAD_DIM
-                                  : out_bh + (size_t)row * HEAD_DIM) +
-                         2 * t;
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt)
-                *reinterpret_cast<float2*>(dst + dt * 8) =
-                    make_float2(o_acc[mt][dt][2 * half] * inv, o_acc[mt][dt][2 * half + 1] * inv);
-            if (partial && t == 0)
-                partial_lse[part_row0 + row] =
-                    l > 0.f ? row_max[mt][half] + __log2f(l) : -INFINITY;
+            const fa::RowResult result =
+                partial ? fa::partial_result(softmax[mt].max[half], softmax[mt].sum[half])
+                        : fa::row_result(softmax[mt].max[half], softmax[mt].sum[half], sink);
+            float* dst = partial ? partial_o + (part_row0 + row) * HEAD_DIM
+                                 : out_bh + (size_t)row * HEAD_DIM;
+            fa::store_fragment_row<D_TILES>(dst, &o_acc[mt][0][0], half, result.inv, lane);
+            if (t == 0) {
+                if (partial)
+                    partial_lse[part_row0 + row] = result.lse2;
+                else if (lse != nullptr)
+                    lse[(size_t)bh * seq_len + row] = fa::lse_natural(result.lse2);
+            }
         }
+    }
 }
 
 // ---------------------------------------------------------------- split merge
 
-// out[row] = sum_s 2^(lse_s - lse) * partial_o[s][row] / sum_s 2^(lse_s - lse).
-// One thread per 4 output elements; 128 threads per block.
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(fa::kMergeThreads)
 mma_tf32_split_merge(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
-                     float* __restrict__ out, int seq_len, int splits, int total_rows) {
-    constexpr int VECS_PER_ROW = HEAD_DIM / 4;
-    const long long vec = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (vec >= (long long)total_rows * VECS_PER_ROW) return;
-    const int global_row = (int)(vec / VECS_PER_ROW);
-    const int col = (int)(vec % VECS_PER_ROW) * 4;
-    const int bh = global_row / seq_len;
-    const int row = global_row % seq_len;
-    const size_t base = (size_t)bh * splits * seq_len + row;
-
-    float lse_max = -INFINITY;
-    for (int s = 0; s < splits; ++s)
-        lse_max = fmaxf(lse_max, partial_lse[base + (size_t)s * seq_len]);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float weight_sum = 0.f;
-    if (lse_max != -INFINITY) {
-        for (int s = 0; s < splits; ++s) {
-            const size_t r = base + (size_t)s * seq_len;
-            const float w = fast_exp2(partial_lse[r] - lse_max);
-            const float4 o = *reinterpret_cast<const float4*>(partial_o + r * HEAD_DIM + col);
-            acc.x += w * o.x;
-            acc.y += w * o.y;
-            acc.z += w * o.z;
-            acc.w += w * o.w;
-            weight_sum += w;
-        }
-    }
-    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-    *reinterpret_cast<float4*>(out + (size_t)global_row * HEAD_DIM + col) =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+                     float* __restrict__ out, int seq_len, int splits, int total_rows, int heads,
+                     const float* __restrict__ sinks, float* __restrict__ lse) {
+    fa::merge_splits<float, HEAD_DIM>(partial_o, partial_lse, out, seq_len, splits, total_rows,
+                                      heads, sinks, lse);
 }

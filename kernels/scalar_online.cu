@@ -11,10 +11,16 @@
 // THREADS * HEAD_DIM * 4 bytes (tuner.planner.tunable.scalar_shared_bytes).
 // q, out: [batch*heads][seq_len][HEAD_DIM]; k, v: [batch*kv_heads][kv_len][HEAD_DIM];
 // query head bh reads KV head bh / group. Causal masking is bottom-right aligned:
-// row r sees keys k <= r + kv_len - seq_len.
+// row r sees keys k <= r + kv_len - seq_len (include/fa/mask.cuh). No variants: the
+// planner refuses them for this family.
+
+#include "fa/mask.cuh"
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
+#endif
+#ifndef CAUSAL
+#define CAUSAL 0
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -26,7 +32,7 @@ scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k
     const int row = blockIdx.x * THREADS + tid;
     const size_t head_offset = (size_t)blockIdx.z * seq_len * HEAD_DIM;
     const size_t kv_offset = (size_t)(blockIdx.z / group) * kv_len * HEAD_DIM;
-    const int causal_offset = kv_len - seq_len;
+    const fa::Mask<CAUSAL, false> mask(seq_len, kv_len, -1, -1);
     q += head_offset;
     k += kv_offset;
     v += kv_offset;
@@ -39,10 +45,7 @@ scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k
         o_s[d * THREADS + tid] = 0.f;
     }
 
-    int key_end = kv_len;
-#if CAUSAL
-    key_end = min(kv_len, (int)(blockIdx.x + 1) * THREADS + causal_offset);  // block-uniform
-#endif
+    const int key_end = mask.end_key((int)(blockIdx.x + 1) * THREADS - 1);  // block-uniform
     float row_max = -INFINITY;
     float row_sum = 0.f;
     for (int key = 0; key < key_end; ++key) {
@@ -62,11 +65,7 @@ scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k
 #pragma unroll
         for (int d = 0; d < HEAD_DIM; ++d) score = fmaf(q_row[d], __ldg(k_row + d), score);
 #endif
-        bool valid = active;
-#if CAUSAL
-        valid = valid && key <= row + causal_offset;
-#endif
-        if (!valid) continue;
+        if (!active || !mask.visible(row, key)) continue;
         const float new_max = fmaxf(row_max, score);
         const float correction = exp2f(row_max - new_max);
         const float p = exp2f(score - new_max);

@@ -11,10 +11,14 @@
 //
 // Layout: q, out are contiguous [batch*heads][seq_len][HEAD_DIM], k, v
 // [batch*kv_heads][kv_len][HEAD_DIM]; query head h reads KV head h / kv_group.
-// Grid: (ceil(seq_len / ROWS_PER_BLOCK), sequence_splits, batch*heads).
-// With one split the kernel writes normalised rows to `out`; with more, each
-// split writes its unnormalised accumulator and (max, sum) to the partial
-// buffers and `split_merge` combines them. Scores live in the log2 domain: q
+// Grid: (ceil(seq_len / ROWS_PER_BLOCK), sequence_splits, batch*heads): the split-KV
+// contract of include/fa/split_kv.cuh, the causal mask of include/fa/mask.cuh. The
+// variant arguments (include/fa/variant.cuh) are taken and, but for `lse`, unused: the
+// planner refuses windows, softcaps, ALiBi and sinks for this SIMT family.
+// With one split the kernel writes normalised rows to `out` (and each row's natural-log
+// log-sum-exp to `lse` when given); with more, each split writes its accumulator
+// normalised by its own sum and its log2-sum-exp, and `split_merge` (the shared merge)
+// combines them. Scores live in the log2 domain: q
 // is pre-multiplied by log2(e)/sqrt(HEAD_DIM), so exp2f is the only
 // transcendental in the hot loop.
 //
@@ -24,8 +28,16 @@
 // The 4-float row padding puts consecutive rows' 16-byte loads in different
 // bank groups, so the strided rows of the score loop are conflict-free.
 
+#include "fa/mask.cuh"
+#include "fa/softmax.cuh"
+#include "fa/split_kv.cuh"
+#include "fa/split_merge.cuh"
+
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
+#endif
+#ifndef CAUSAL
+#define CAUSAL 0
 #endif
 
 #define ROW_GROUPS (THREADS / THREADS_PER_ROW)
@@ -101,8 +113,11 @@ __device__ __forceinline__ void wait_async_copies() {
 extern "C" __global__ void __launch_bounds__(THREADS)
 tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ v, float* __restrict__ out,
-                float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                int seq_len, int kv_len, int kv_group, int keys_per_split, float scale_log2) {
+                float* __restrict__ partial_o, float* __restrict__ partial_lse,
+                int seq_len, int kv_len, int kv_group, int keys_per_split, float scale_log2,
+                int heads, int window_left, int window_right, float softcap,
+                const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
+                float* __restrict__ lse) {
     extern __shared__ float4 shared_vec[];
     float* q_s = reinterpret_cast<float*>(shared_vec);
     float* k_s = q_s + ROWS_PER_BLOCK * ROW_STRIDE;
@@ -117,16 +132,15 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
     const size_t head_offset = head * (size_t)seq_len * HEAD_DIM;
     // Query head `head` reads KV head head / kv_group (grouped-query attention).
     const size_t kv_offset = (head / kv_group) * (size_t)kv_len * HEAD_DIM;
-    const int causal_offset = kv_len - seq_len;  // bottom-right causal alignment
+    const fa::Mask<CAUSAL, false> mask(seq_len, kv_len, window_left, window_right);
     q += head_offset;
     k += kv_offset;
     v += kv_offset;
 
-    const int key_begin = split * keys_per_split;
-    int key_end = min(kv_len, key_begin + keys_per_split);
-#if CAUSAL
-    key_end = min(key_end, row0 + ROWS_PER_BLOCK + causal_offset);
-#endif
+    const fa::KeyTiles tiles =
+        fa::key_tiles<TILE_SIZE>(mask, split, keys_per_split, row0, row0 + ROWS_PER_BLOCK - 1);
+    const int key_begin = tiles.begin;
+    const int key_end = tiles.end;
 
     load_rows(q_s, q, row0, ROWS_PER_BLOCK, seq_len, scale_log2);
     __syncthreads();  // q_s is read by every warp
@@ -189,10 +203,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < KEYS_PER_LANE; ++j) {
                 const int key = tile_start + lane + j * THREADS_PER_ROW;
-                bool valid = key < key_end;
-#if CAUSAL
-                valid = valid && key <= query + causal_offset;
-#endif
+                const bool valid = key < key_end && mask.visible(query, key);
                 score[i][j] = valid ? score[i][j] : -INFINITY;
                 tile_max = fmaxf(tile_max, score[i][j]);
             }
@@ -253,60 +264,32 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
     for (int i = 0; i < ROWS_PER_THREAD; ++i) {
         const int query = row0 + group + i * ROW_GROUPS;
         if (query >= seq_len) continue;
+        const fa::RowResult result = fa::partial_result(row_max[i], row_sum[i]);
+        float* dst;
         if (single_split) {
-            const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-            float* dst = out + head_offset + (size_t)query * HEAD_DIM;
-#pragma unroll
-            for (int c = 0; c < VECS_PER_LANE; ++c) {
-                float4 value = acc[i][c];
-                value.x *= inv; value.y *= inv; value.z *= inv; value.w *= inv;
-                *reinterpret_cast<float4*>(dst + 4 * (lane + c * THREADS_PER_ROW)) = value;
-            }
+            dst = out + head_offset + (size_t)query * HEAD_DIM;
+            if (lse != nullptr && lane == 0)
+                lse[head * seq_len + query] = fa::lse_natural(result.lse2);
         } else {
             const size_t partial_row = (head * gridDim.y + split) * (size_t)seq_len + query;
-            float* dst = partial_o + partial_row * HEAD_DIM;
+            dst = partial_o + partial_row * HEAD_DIM;
+            if (lane == 0) partial_lse[partial_row] = result.lse2;
+        }
 #pragma unroll
-            for (int c = 0; c < VECS_PER_LANE; ++c)
-                *reinterpret_cast<float4*>(dst + 4 * (lane + c * THREADS_PER_ROW)) = acc[i][c];
-            if (lane == 0)
-                *reinterpret_cast<float2*>(partial_ml + 2 * partial_row) =
-                    make_float2(row_max[i], row_sum[i]);
+        for (int c = 0; c < VECS_PER_LANE; ++c) {
+            float4 value = acc[i][c];
+            value.x *= result.inv; value.y *= result.inv;
+            value.z *= result.inv; value.w *= result.inv;
+            *reinterpret_cast<float4*>(dst + 4 * (lane + c * THREADS_PER_ROW)) = value;
         }
     }
 }
 
-// Merge the splits of every row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-// One thread per output float4; grid covers batch*heads*seq_len*HEAD_DIM/4.
-extern "C" __global__ void __launch_bounds__(128)
-split_merge(const float* __restrict__ partial_o, const float* __restrict__ partial_ml,
-            float* __restrict__ out, int seq_len, int splits, int total_rows) {
-    const size_t index = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (index >= (size_t)total_rows * VECS_PER_ROW) return;
-    const size_t global_row = index / VECS_PER_ROW;
-    const int c = (int)(index - global_row * VECS_PER_ROW);
-    const size_t head = global_row / seq_len;
-    const size_t query = global_row - head * seq_len;
-
-    float merged_max = -INFINITY;
-    for (int s = 0; s < splits; ++s) {
-        const size_t row = (head * splits + s) * (size_t)seq_len + query;
-        merged_max = fmaxf(merged_max, partial_ml[2 * row]);
-    }
-    const float shift = merged_max == -INFINITY ? 0.f : merged_max;
-    float total = 0.f;
-    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < splits; ++s) {
-        const size_t row = (head * splits + s) * (size_t)seq_len + query;
-        const float2 ml = *reinterpret_cast<const float2*>(partial_ml + 2 * row);
-        const float weight = exp2f(ml.x - shift);
-        total += weight * ml.y;
-        const float4 part = __ldg(reinterpret_cast<const float4*>(partial_o + row * HEAD_DIM) + c);
-        value.x = fmaf(weight, part.x, value.x);
-        value.y = fmaf(weight, part.y, value.y);
-        value.z = fmaf(weight, part.z, value.z);
-        value.w = fmaf(weight, part.w, value.w);
-    }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    value.x *= inv; value.y *= inv; value.z *= inv; value.w *= inv;
-    reinterpret_cast<float4*>(out + global_row * HEAD_DIM)[c] = value;
+// Merge the splits of every row (the shared merge of include/fa/split_merge.cuh).
+extern "C" __global__ void __launch_bounds__(fa::kMergeThreads)
+split_merge(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
+            float* __restrict__ out, int seq_len, int splits, int total_rows, int heads,
+            const float* __restrict__ sinks, float* __restrict__ lse) {
+    fa::merge_splits<float, HEAD_DIM>(partial_o, partial_lse, out, seq_len, splits, total_rows,
+                                      heads, sinks, lse);
 }

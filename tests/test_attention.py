@@ -672,7 +672,8 @@ def store_half(gpu: FakeGpu, address: Any, values: np.ndarray, fp16: bool) -> No
 
 
 def fake_mma_f16(
-    gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, group, span, scale_log2
+    gpu, defines, grid, q, k, v, out, po, lse, seq_len, kv_len, group, span, scale_log2,
+    heads, window_left, window_right, softcap, alibi_slopes, sinks, row_lse,
 ):
     """``mma_f16_attention`` in float64: per split, normalised partials and a log2-sum-exp."""
     n, d, splits, bh, fp16 = int(seq_len), defines["HEAD_DIM"], grid[1], grid[2], defines["IS_FP16"]
@@ -701,7 +702,9 @@ def fake_mma_f16(
         lse3[:, s] = np.where(total > 0, np.log2(np.maximum(total, 1e-300)) + top[..., 0], -np.inf)
 
 
-def fake_mma_f16_merge(gpu, defines, grid, po, lse, out, seq_len, splits, total_rows):
+def fake_mma_f16_merge(
+    gpu, defines, grid, po, lse, out, seq_len, splits, total_rows, heads, sinks, row_lse
+):
     n, s, d = int(seq_len), int(splits), defines["HEAD_DIM"]
     bh = int(total_rows) // n
     po4 = gpu.floats(po, bh * s * n * d).reshape(bh, s, n, d).astype(np.float64)

@@ -109,9 +109,14 @@ def test_first_error_line_is_the_reason() -> None:
     assert build.first_error_line("") == "nvcc failed without a message"
 
 
-def test_source_hash_is_the_sha256_of_the_source() -> None:
-    text = (Path(build.__file__).parent / "tiled.cu").read_bytes()
-    assert source_hash("tiled") == hashlib.sha256(text).hexdigest()
+def test_source_hash_is_the_sha256_of_the_source_and_its_headers() -> None:
+    kernels = Path(build.__file__).parent
+    digest = hashlib.sha256()
+    for path in build.included_files(kernels / "tiled.cu"):
+        name = path.relative_to(kernels).as_posix()
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    assert source_hash("tiled") == digest.hexdigest()
+    assert build.included_files(kernels / "tiled.cu")[0] == (kernels / "tiled.cu").resolve()
     assert source_hash("tiled") != source_hash("scalar_online")
     with pytest.raises(ValueError, match="unknown kernel family"):
         source_hash("nope")

@@ -42,7 +42,15 @@ from tuner.planner.tunable import (
 from tuner.problem import Problem
 
 BUFFERS = DeviceBuffers(
-    q=0x1000, k=0x2000, v=0x3000, out=0x4000, partial_o=0x5000, partial_ml=0x6000
+    q=0x1000,
+    k=0x2000,
+    v=0x3000,
+    out=0x4000,
+    partial_o=0x5000,
+    partial_ml=0x6000,
+    alibi_slopes=0x7000,
+    sinks=0x8000,
+    lse=0x9000,
 )
 PROBLEMS = [
     Problem(4096, 128),
@@ -101,7 +109,15 @@ def all_plans() -> list[KernelPlan]:
 def test_signatures_are_found_for_every_entry_function() -> None:
     signatures = kernel_signatures()
     assert set(signatures) == {name for names in build.ENTRY_FUNCTIONS.values() for name in names}
-    assert signatures["tiled_attention"] == [np.uintp] * 6 + [np.int32] * 4 + [np.float32]
+    # The split-KV contract, then the variant arguments of kernels/include/fa/variant.cuh.
+    contract = [np.uintp] * 6 + [np.int32] * 4 + [np.float32]
+    variant = [np.int32] * 3 + [np.float32] + [np.uintp] * 3
+    for family in ("tiled", "mma_f16", "decode_f16", "mma_tf32"):
+        assert signatures[f"{family}_attention"] == contract + variant
+    assert signatures["wgmma_f16_attention"] == [TensorMap] * 3 + contract + variant
+    merge = [np.uintp] * 3 + [np.int32] * 4 + [np.uintp] * 2
+    for name in ("split_merge", "mma_f16_split_merge", "decode_f16_split_merge"):
+        assert signatures[name] == merge
 
 
 def contract_args(launch: KernelLaunch) -> tuple:
@@ -199,13 +215,15 @@ def test_split_plans_merge_with_the_reduce_launch() -> None:
         )
         # One thread per float4 of output, all covered.
         assert merge.grid[0] * merge.block[0] >= p.batch_heads * p.seq_len * p.head_dim // 4
-        partial_o, partial_ml, out, seq_len, splits, rows = merge.args
+        partial_o, partial_ml, out, seq_len, splits, rows, heads, sinks, lse = merge.args
         assert (partial_o, partial_ml, out) == (BUFFERS.partial_o, BUFFERS.partial_ml, BUFFERS.out)
-        assert (seq_len, splits, rows) == (
+        assert (seq_len, splits, rows, heads) == (
             p.seq_len,
             plan.sequence_splits,
             p.batch_heads * p.seq_len,
+            p.heads,
         )
+        assert (sinks, lse) == (BUFFERS.sinks, BUFFERS.lse)
         assert contract_args(attention)[4:6] == (BUFFERS.partial_o, BUFFERS.partial_ml)
 
 
@@ -216,12 +234,9 @@ def test_split_buffers_are_the_plans_scratch() -> None:
         assert sizes.tensor == p.batch_heads * p.seq_len * p.head_dim
         assert sizes.partial_o + sizes.partial_ml == plan.partial_elements
         if plan.sequence_splits > 1:
-            # the seed's splits * (head_dim + 2) for a (max, sum) pair per row; one
-            # log-sum-exp per row for a family that keeps that instead
-            stats = plan.kernel_family.partial_stats_per_row
-            per_row = plan.sequence_splits * (p.head_dim + stats)
-            if stats == 2:
-                assert per_row == plan.split_reduce_scratch_elements
+            # the shared merge's contract: one log2-sum-exp per row and split beside the
+            # row's head_dim accumulators
+            per_row = plan.sequence_splits * (p.head_dim + 1)
             assert sizes.partial_o + sizes.partial_ml == p.batch_heads * p.seq_len * per_row
 
 

@@ -212,7 +212,8 @@ def _tensors(gpu: FakeGpu, defines: dict[str, int], bh: int, n: int, *addresses:
 
 
 def fake_tiled(
-    gpu, defines, grid, q, k, v, out, po, pml, seq_len, kv_len, group, keys_per_split, scale
+    gpu, defines, grid, q, k, v, out, po, plse, seq_len, kv_len, group, keys_per_split, scale,
+    heads, window_left, window_right, softcap, alibi_slopes, sinks, lse,
 ):
     assert (int(kv_len), int(group)) == (int(seq_len), 1)  # the fakes do self-attention
     n, splits, bh, d = int(seq_len), grid[1], grid[2], defines["HEAD_DIM"]
@@ -243,19 +244,28 @@ def fake_tiled(
         if gpu.mode == "fault":
             gpu.pending_fault = True
         return
+    # The shared merge's contract: outputs normalised per split, and their log2-sum-exps.
     po4 = gpu.floats(po, bh * splits * n * d).reshape(bh, splits, n, d)
-    ml4 = gpu.floats(pml, bh * splits * n * 2).reshape(bh, splits, n, 2)
-    for s, (row_max, row_sum, acc) in enumerate(parts):
-        po4[:, s], ml4[:, s, :, 0], ml4[:, s, :, 1] = acc, row_max, row_sum
+    lse3 = gpu.floats(plse, bh * splits * n).reshape(bh, splits, n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for s, (row_max, row_sum, acc) in enumerate(parts):
+            seen = row_sum > 0
+            po4[:, s] = np.where(seen[..., None], acc / np.where(seen, row_sum, 1)[..., None], 0)
+            lse3[:, s] = np.where(seen, row_max + np.log2(np.where(seen, row_sum, 1)), -np.inf)
 
 
-def fake_merge(gpu, defines, grid, po, pml, out, seq_len, splits, total_rows):
+def fake_merge(
+    gpu, defines, grid, po, plse, out, seq_len, splits, total_rows, heads, sinks, lse
+):
     n, s, d = int(seq_len), int(splits), defines["HEAD_DIM"]
     bh = int(total_rows) // n
     po4 = gpu.floats(po, bh * s * n * d).reshape(bh, s, n, d)
-    ml4 = gpu.floats(pml, bh * s * n * 2).reshape(bh, s, n, 2)
+    lse3 = gpu.floats(plse, bh * s * n).reshape(bh, s, n)
+    # Each split's sum is 2^lse at max 0: the (max, sum) merge of the seed's reduction.
     merged = _merge_splits(
-        ml4[..., 0].transpose(1, 0, 2), ml4[..., 1].transpose(1, 0, 2), po4.transpose(1, 0, 2, 3)
+        np.zeros_like(lse3).transpose(1, 0, 2),
+        np.exp2(lse3).transpose(1, 0, 2),
+        (po4 * np.exp2(lse3)[..., None]).transpose(1, 0, 2, 3),
     )
     (o3,) = _tensors(gpu, defines, bh, n, out)
     o3[:] = merged

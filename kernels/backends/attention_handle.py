@@ -84,6 +84,8 @@ def launch_templates(
                         "path re-points maps over q, k and v only"
                     )
                 arguments.append(value)
+            elif isinstance(value, np.uintp) and int(value) == 0:
+                arguments.append(value)  # a null pointer: an optional buffer not used
             elif isinstance(value, np.uintp):
                 role = markers.get(int(value))
                 if role is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tuner.planner.plan import Launch
+from tuner.problem import Problem
 
 #: dynamic shared memory a kernel may use without opting in
 #: (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES); the CUDA default on every arch.
@@ -96,7 +97,12 @@ class BufferElements:
 
 @dataclass(frozen=True, slots=True)
 class DeviceBuffers:
-    """Device addresses of the buffers (0 for a partial buffer a plan does not use)."""
+    """Device addresses of the buffers (0 for a buffer a plan does not use).
+
+    Besides q, k, v, out and the split scratch: ``alibi_slopes`` and ``sinks`` (float32,
+    one per query head) for problems with those variants, and ``lse`` (float32, one per
+    query row of every head) where the row log-sum-exps are asked for (the backward pass).
+    """
 
     q: int
     k: int
@@ -104,6 +110,9 @@ class DeviceBuffers:
     out: int
     partial_o: int = 0
     partial_ml: int = 0
+    alibi_slopes: int = 0
+    sinks: int = 0
+    lse: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +137,20 @@ def kernel_launch(launch: Launch, function: str, args: tuple[KernelArgument, ...
 def scale_log2(head_dim: int) -> float:
     """The kernels' ``scale_log2`` argument: scores in the log2 domain, ``log2(e)/sqrt(d)``."""
     return math.log2(math.e) / math.sqrt(head_dim)
+
+
+def variant_arguments(problem: Problem, buffers: DeviceBuffers) -> tuple[KernelArgument, ...]:
+    """The arguments every forward entry takes after its scale (``kernels/include/fa/
+    variant.cuh``): ``heads, window_left, window_right, softcap, alibi_slopes, sinks, lse``."""
+    return (
+        np.int32(problem.heads),
+        np.int32(problem.window_left),
+        np.int32(problem.window_right),
+        np.float32(problem.softcap),
+        np.uintp(buffers.alibi_slopes),
+        np.uintp(buffers.sinks),
+        np.uintp(buffers.lse),
+    )
 
 
 def pointers(buffers: DeviceBuffers) -> tuple[np.uintp, ...]:

@@ -25,6 +25,7 @@ import numpy as np
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.key_span import visible_padded_pairs_per_head
 from tuner.planner.launches import (
     BufferElements,
     DeviceBuffers,
@@ -33,6 +34,7 @@ from tuner.planner.launches import (
     kernel_launch,
     pointers,
     scale_log2,
+    variant_arguments,
 )
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch
@@ -132,9 +134,9 @@ class KernelFamily(ABC):
     nvcc_flags: ClassVar[tuple[str, ...]] = ()
     #: two tunables (x, y) the results heatmap plots the best time over, or None
     heatmap_axes: ClassVar[tuple[str, str] | None] = None
-    #: float32 statistics per row and split in the ``partial_ml`` scratch: 2 for a
-    #: (max, sum) pair, 1 for a log-sum-exp
-    partial_stats_per_row: ClassVar[int] = 2
+    #: whether the kernel takes the attention variants (window, softcap, ALiBi, sinks) of
+    #: the shared device layer; a family that does not refuses such problems with a reason
+    takes_variants: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ candidates
 
@@ -186,6 +188,15 @@ class KernelFamily(ABC):
     def arch_for(self, device_arch: str) -> str:
         return self.arch or device_arch
 
+    def variant_verdict(self, problem: Problem) -> str:
+        """Why this family cannot run the problem's attention variant ("" when it can)."""
+        if problem.has_variant and not self.takes_variants:
+            return (
+                f"{self.name} takes no attention variants ({problem.variant_text()}); the "
+                "tensor-core families do"
+            )
+        return ""
+
     # ------------------------------------------------------------------ launch
 
     def buffer_elements(self, plan: KernelPlan) -> BufferElements:
@@ -195,9 +206,8 @@ class KernelFamily(ABC):
         if plan.sequence_splits == 1:
             return BufferElements(tensor, 0, 0, p.element_bytes)
         rows = p.batch_heads * plan.sequence_splits * p.seq_len
-        return BufferElements(
-            tensor, rows * p.head_dim, rows * self.partial_stats_per_row, p.element_bytes
-        )
+        # The shared split merge's contract: one log2-sum-exp per row and split.
+        return BufferElements(tensor, rows * p.head_dim, rows, p.element_bytes)
 
     @abstractmethod
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
@@ -216,6 +226,25 @@ class KernelFamily(ABC):
 
 
 # ---------------------------------------------------------------------- shared rules
+
+
+def variant_sfu_ops(problem: Problem, executed_pairs: int) -> int:
+    """SFU operations a variant adds per (batch, head) besides the exp2s: the softcap's tanh
+    on every computed score."""
+    return executed_pairs if problem.softcap > 0 else 0
+
+
+def variant_defines(problem: Problem) -> dict[str, int]:
+    """The compile-time half of the problem's variant (``kernels/include/fa/variant.cuh``):
+    a define for each that is on, none for a plain problem (whose kernels, cache keys and
+    variant names stay what they were)."""
+    flags = {
+        "WINDOW": problem.windowed,
+        "SOFTCAP": problem.softcap > 0,
+        "ALIBI": problem.alibi,
+        "SINKS": problem.sinks,
+    }
+    return {name: 1 for name, on in flags.items() if on}
 
 
 def checked_u32(value: int, what: str) -> int:
@@ -274,8 +303,11 @@ def executed_pairs(plan: KernelPlan, rows: int) -> int:
     (masked scores are computed, then discarded). Causal blocks stop at their
     last row's tile: block ``b`` of ``R`` rows computes about
     ``(b + 1) R + kv_len - seq_len + T / 2`` keys; the closed form avoids a loop
-    over blocks for long sequences.
+    over blocks for long sequences. A window's blocks visit only their band's tiles
+    (``tuner.planner.key_span``).
     """
+    if plan.problem.windowed:
+        return visible_padded_pairs_per_head(plan.problem, rows, plan.tile_size)
     n = plan.problem.seq_len
     tile = plan.tile_size
     row_blocks = -(-n // rows)
@@ -312,7 +344,8 @@ def split_kv_launches(
 ) -> tuple[KernelLaunch, ...]:
     """The launches of a family on the split-KV contract, which every tiled and tensor-core
     family keeps: ``attention_function(q, k, v, out, partial_o, partial_stats, seq_len,
-    kv_len, group, keys_per_split, scale_log2)`` on ``plan.launch``, then the split merge
+    kv_len, group, keys_per_split, scale_log2, heads, window_left, window_right, softcap,
+    alibi_slopes, sinks, lse)`` on ``plan.launch``, then the split merge
     (``with_split_merge``) when there are splits. ``leading`` arguments come first (a TMA
     family's tensor maps)."""
     p = plan.problem
@@ -327,6 +360,7 @@ def split_kv_launches(
             np.int32(p.group),
             np.int32(plan.keys_per_sequence_split),
             np.float32(scale_log2(p.head_dim)),
+            *variant_arguments(p, buffers),
         ),
     )
     return with_split_merge(plan, attention, merge_function, buffers)
@@ -337,8 +371,10 @@ def with_split_merge(
 ) -> tuple[KernelLaunch, ...]:
     """``attention`` alone without splits; with them, followed by the split merge.
 
-    Every family's merge kernel takes ``(partial_o, partial_stats, out, seq_len,
-    splits, batch_heads * seq_len)`` and runs on ``plan.reduce_launch``.
+    Every family's merge kernel (``kernels/include/fa/split_merge.cuh``) takes
+    ``(partial_o, partial_lse, out, seq_len, splits, batch_heads * seq_len, heads, sinks,
+    lse)`` and runs on ``plan.reduce_launch``; the sinks join there, and the merged rows'
+    log-sum-exps are written there.
     """
     if plan.sequence_splits == 1:
         return (attention,)
@@ -357,6 +393,9 @@ def with_split_merge(
             np.int32(p.seq_len),
             np.int32(plan.sequence_splits),
             np.int32(p.batch_heads * p.seq_len),
+            np.int32(p.heads),
+            np.uintp(buffers.sinks),
+            np.uintp(buffers.lse),
         ),
     )
     return (attention, merge)

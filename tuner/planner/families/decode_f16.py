@@ -33,8 +33,11 @@ from tuner.planner.families.base import (
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
+    variant_defines,
+    variant_sfu_ops,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.key_span import key_span
 from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
@@ -65,11 +68,12 @@ def decode_f16_shared_bytes(rows: int, block_n: int, stages: int, warps: int, he
     return row_bytes * rows + max(ring, merge)
 
 
-def split_partition(kv_len: int, block_n: int, splits: int) -> tuple[int, int]:
-    """(keys per split, splits that hold keys): ``splits`` ranges of whole tiles over kv_len."""
-    tiles = div_ceil(kv_len, block_n)
+def split_partition(span: int, block_n: int, splits: int) -> tuple[int, int]:
+    """(keys per split, splits that hold keys): ``splits`` ranges of whole tiles over the
+    ``span`` keys the rows see (``kv_len``, or a window's band: ``tuner.planner.key_span``)."""
+    tiles = max(1, div_ceil(span, block_n))
     keys_per_split = div_ceil(tiles, splits) * block_n
-    return keys_per_split, div_ceil(kv_len, keys_per_split)
+    return keys_per_split, max(1, div_ceil(span, keys_per_split))
 
 
 class DecodeF16(KernelFamily):
@@ -85,7 +89,6 @@ class DecodeF16(KernelFamily):
         Tunable("splits", 16, SPLIT_COUNTS),
     )
     heatmap_axes = ("block_n", "splits")
-    partial_stats_per_row = 1  # one log2-sum-exp per row and split
 
     def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
         n, d, m = problem.seq_len, problem.head_dim, problem.kv_len
@@ -101,8 +104,10 @@ class DecodeF16(KernelFamily):
         packed_rows = group * n
         row_blocks = div_ceil(packed_rows, rows)
         threads = warps * device.warp_size
-        tile_count = div_ceil(m, block_n)
-        keys_per_split, splits = split_partition(m, block_n, splits_asked)
+        base, end = key_span(problem)
+        span = end - base  # keys the rows see: every block reads all of them
+        tile_count = max(1, div_ceil(span, block_n))
+        keys_per_split, splits = split_partition(span, block_n, splits_asked)
         keys_per_split = checked_u32(keys_per_split, "split key span")
         shared = decode_f16_shared_bytes(rows, block_n, stages, warps, d)
         keys_per_warp = block_n // warps if block_n % warps == 0 else 0
@@ -124,7 +129,7 @@ class DecodeF16(KernelFamily):
         elif stages < 2:
             reason = f"stages={stages}: the cp.async ring needs at least 2"
         if not reason:
-            reason = launch_verdict(threads, shared, device)
+            reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and m_tiles > 1 and packed_rows <= MMA_M:
             reason = (
                 f"m_tiles={m_tiles} is larger than needed for {packed_rows} packed rows "
@@ -134,8 +139,8 @@ class DecodeF16(KernelFamily):
             reason = f"block_n={block_n} is larger than needed for kv_len={m}"
         if not reason and splits < splits_asked:
             reason = (
-                f"splits={splits_asked} leaves splits without keys: kv_len={m} in tiles of "
-                f"{block_n} fills {splits}"
+                f"splits={splits_asked} leaves splits without keys: {span} visible keys in "
+                f"tiles of {block_n} fill {splits}"
             )
         if not reason and (splits > GRID_YZ_LIMIT or bkv > GRID_YZ_LIMIT):
             reason = f"{splits} splits x {bkv} batch-KV-heads exceed the grid's y/z limit"
@@ -147,7 +152,7 @@ class DecodeF16(KernelFamily):
         reduce_launch = float4_merge_launch(bh, n, d, splits)
         element = problem.element_bytes
         # K and V cross DRAM once per (KV head, split, row block): the group shares them.
-        read = element * (bh * n * d + 2 * bkv * row_blocks * m * d)
+        read = element * (bh * n * d + 2 * bkv * row_blocks * span * d)
         write = element * bh * n * d
         if splits > 1:
             read += F32_BYTES * partial
@@ -199,6 +204,7 @@ class DecodeF16(KernelFamily):
             "M_TILES": params.m_tiles,
             "CAUSAL": int(p.causal),
             "IS_FP16": int(p.dtype == "float16"),
+            **variant_defines(p),
         }
 
     def key(self, plan: KernelPlan) -> str:
@@ -230,7 +236,10 @@ class DecodeF16(KernelFamily):
         return CostTerms(
             matmul_pipe="mma_sync_f16",
             executed_pairs=executed,
-            exps=p.batch_kv_heads * row_blocks * rows * (padded_keys + plan.tile_count),
+            exps=p.batch_kv_heads
+            * row_blocks
+            * rows
+            * (padded_keys + plan.tile_count + variant_sfu_ops(p, padded_keys)),
             shared_bytes=ELEMENT_BYTES * per_tile * tiles,
             shared_lane_ops=(cp_async_ops + ldmatrix_ops) * tiles,
             ilp=m_tiles * (keys_per_warp // 8) + d // 8,

@@ -30,12 +30,14 @@ from tuner.planner.families.base import (
     checked_u32,
     executed_pairs,
     float4_merge_launch,
-    key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
+    variant_defines,
+    variant_sfu_ops,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.key_span import span_tiles, visible_keys_read_per_head
 from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
@@ -108,7 +110,6 @@ class MmaF16(KernelFamily):
         "split_target",
     )
     heatmap_axes = ("block_n", "block_m")
-    partial_stats_per_row = 1  # one log2-sum-exp per row and split
 
     def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
         n, d, bh = problem.seq_len, problem.head_dim, problem.batch_heads
@@ -121,7 +122,7 @@ class MmaF16(KernelFamily):
                 f"split_target={target}: each must be > 0"
             )
         threads = warps * device.warp_size
-        tile_count = div_ceil(kv_len, block_n)
+        tile_count = span_tiles(problem, block_n)
         splits = sequence_parallel_splits(tile_count, target=target)
         tiles_per_split = div_ceil(tile_count, splits)
         keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
@@ -146,7 +147,7 @@ class MmaF16(KernelFamily):
         elif stages < 2:
             reason = f"stages={stages}: the cp.async ring needs at least 2"
         if not reason:
-            reason = launch_verdict(threads, shared, device)
+            reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and larger_than_needed(block_m, n, 64):
             reason = f"block_m={block_m} is larger than needed for seq_len={n}"
         if not reason and larger_than_needed(block_n, kv_len, 32):
@@ -164,7 +165,7 @@ class MmaF16(KernelFamily):
         # the same K/V rows once each. Counted as requests (what L2 serves); DRAM
         # sees about one read per KV head when the group's blocks run together,
         # which the launch order (heads slowest) makes likely but does not enforce.
-        key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)
+        key_rows = visible_keys_read_per_head(problem, block_m, block_n)
         read = element * bh * (n * d + 2 * key_rows * d)
         write = element * bh * n * d
         if splits > 1:
@@ -219,6 +220,7 @@ class MmaF16(KernelFamily):
             "IS_FP16": int(p.dtype == "float16"),
             "Q_IN_REGISTERS": params.q_in_registers,
             "S_GROUPS": params.s_groups,
+            **variant_defines(p),
         }
 
     def key(self, plan: KernelPlan) -> str:
@@ -255,7 +257,7 @@ class MmaF16(KernelFamily):
         return CostTerms(
             matmul_pipe="mma_sync_f16",
             executed_pairs=executed,
-            exps=bh * executed + bh * n * plan.tile_count,
+            exps=bh * (executed + variant_sfu_ops(p, executed)) + bh * n * plan.tile_count,
             shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
             shared_lane_ops=per_block_ops * block_tiles * bh,
             # Independent mma chains a warp has in flight over a tile: the S

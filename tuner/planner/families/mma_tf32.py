@@ -31,12 +31,14 @@ from tuner.planner.families.base import (
     checked_u32,
     executed_pairs,
     float4_merge_launch,
-    key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
+    variant_defines,
+    variant_sfu_ops,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.key_span import span_tiles, visible_keys_read_per_head
 from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
@@ -101,7 +103,6 @@ class MmaTf32(KernelFamily):
     )
     enumeration_order = ("passes", "block_m", "block_n", "warps", "stages", "split_target")
     heatmap_axes = ("block_n", "block_m")
-    partial_stats_per_row = 1  # one log2-sum-exp per row and split
 
     def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
         n, d, bh = problem.seq_len, problem.head_dim, problem.batch_heads
@@ -114,7 +115,7 @@ class MmaTf32(KernelFamily):
             )
         threads = warps * device.warp_size
         kv_len = problem.kv_len
-        tile_count = div_ceil(kv_len, block_n)
+        tile_count = span_tiles(problem, block_n)
         splits = sequence_parallel_splits(tile_count, target=target)
         tiles_per_split = div_ceil(tile_count, splits)
         keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
@@ -148,7 +149,7 @@ class MmaTf32(KernelFamily):
                 f"head_dim {d} + block_n {block_n}) exceed {MAX_ACCUMULATORS}: registers spill"
             )
         if not reason:
-            reason = launch_verdict(threads, shared, device)
+            reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and larger_than_needed(block_m, n, 32):
             reason = f"block_m={block_m} is larger than needed for seq_len={n}"
         if not reason and larger_than_needed(block_n, kv_len, 32):
@@ -163,7 +164,7 @@ class MmaTf32(KernelFamily):
         reduce_launch = float4_merge_launch(bh, n, d, splits)
         # Each block loads its own query head's KV head: a group's query heads read the
         # same K/V rows once each (counted as requests; L2 serves the repeats).
-        key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)
+        key_rows = visible_keys_read_per_head(problem, block_m, block_n)
         read = F32_BYTES * bh * (n * d + 2 * key_rows * d)
         write = F32_BYTES * bh * n * d
         if splits > 1:
@@ -214,6 +215,7 @@ class MmaTf32(KernelFamily):
             "STAGES": params.stages,
             "CAUSAL": int(p.causal),
             "PASSES": params.passes,
+            **variant_defines(p),
         }
 
     def key(self, plan: KernelPlan) -> str:
@@ -250,7 +252,7 @@ class MmaTf32(KernelFamily):
         return CostTerms(
             matmul_pipe="mma_sync_tf32",
             executed_pairs=executed,
-            exps=bh * executed + bh * n * plan.tile_count,
+            exps=bh * (executed + variant_sfu_ops(p, executed)) + bh * n * plan.tile_count,
             shared_bytes=F32_BYTES * per_block * block_tiles * bh,
             shared_lane_ops=per_block_ops * block_tiles * bh,
             ilp=m_tiles * (block_n // 8 + d // 8),

@@ -41,6 +41,7 @@ def scalar_shared_bytes(threads: int, head_dim: int) -> int:
 
 
 class ScalarOnline(KernelFamily):
+    takes_variants = False  # a SIMT family: the variants run on the tensor-core ones
     name = "scalar_online"
     source = "scalar_online.cu"
     entry_functions = ("scalar_online_attention",)
@@ -55,7 +56,7 @@ class ScalarOnline(KernelFamily):
         n, d, bh = problem.seq_len, problem.head_dim, problem.batch_heads
         threads = params.threads
         shared = scalar_shared_bytes(threads, d)
-        reason = launch_verdict(threads, shared, device)
+        reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and larger_than_needed(threads, n, SMALLEST_SCALAR_THREADS):
             reason = f"threads={threads} exceeds what seq_len={n} needs (half the block covers it)"
         row_blocks = -(-n // max(threads, 1))

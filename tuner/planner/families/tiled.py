@@ -21,17 +21,19 @@ import math
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.families.base import (
+    MERGE_THREADS,
     CostTerms,
     KernelFamily,
     Tunable,
     checked_u32,
     executed_pairs,
-    key_rows_read_per_head,
+    float4_merge_launch,
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.key_span import span_tiles, visible_keys_read_per_head
 from tuner.planner.launches import DeviceBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
@@ -49,8 +51,8 @@ SHARED_ROW_PAD = 4
 #: the smallest tile / row block the space offers: never "larger than needed",
 #: so tiny sequences keep candidates.
 SMALLEST_TILE = 16
-#: threads of the split-reduction kernel's blocks (one float4 of output each).
-REDUCE_THREADS = 128
+#: threads of the split merge's blocks (the shared merge: one float4 of output each).
+REDUCE_THREADS = MERGE_THREADS
 #: non-matmul flops per (query, key) pair: scale folded into q at load, so
 #: max, subtract, exp2, sum, and the mask compare.
 TILED_NON_MATMUL_FLOPS_PER_PAIR = 5
@@ -100,6 +102,7 @@ def tiled_shared_bytes(rows_per_block: int, tile_size: int, head_dim: int) -> in
 
 
 class Tiled(KernelFamily):
+    takes_variants = False  # a SIMT family: the variants run on the tensor-core ones
     name = "tiled"
     source = "tiled.cu"
     entry_functions = ("tiled_attention", "split_merge")
@@ -132,7 +135,7 @@ class Tiled(KernelFamily):
             )
         # The seed's partition, with the split target as a tunable.
         kv_len = problem.kv_len
-        tile_count = div_ceil(kv_len, tile)
+        tile_count = span_tiles(problem, tile)
         splits = sequence_parallel_splits(tile_count, target=target)
         tiles_per_split = div_ceil(tile_count, splits)
         keys_per_split = min(checked_u32(tile * tiles_per_split, "split key span"), kv_len)
@@ -145,7 +148,7 @@ class Tiled(KernelFamily):
         elif tile % 4:
             reason = f"tile_size={tile} is not a multiple of 4 (P.V reads the P tile as float4s)"
         if not reason:
-            reason = launch_verdict(threads, shared, device)
+            reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and larger_than_needed(tile, kv_len, SMALLEST_TILE):
             reason = f"tile_size={tile} is larger than needed for kv_len={kv_len}"
         if not reason and larger_than_needed(rows, n, SMALLEST_TILE):
@@ -158,13 +161,8 @@ class Tiled(KernelFamily):
         lanes = lanes or 1
         row_blocks = div_ceil(n, rows)
         launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
-        reduce_launch = None
-        partial = bh * splits * n * (d + 2) if splits > 1 else 0
-        if splits > 1:
-            reduce_blocks = div_ceil(bh * n * (d // 4 if d % 4 == 0 else d), REDUCE_THREADS)
-            reduce_launch = Launch(
-                grid=(reduce_blocks, 1, 1), block=(REDUCE_THREADS, 1, 1), shared_bytes=0
-            )
+        reduce_launch = float4_merge_launch(bh, n, d, splits)
+        partial = bh * splits * n * (d + 1) if splits > 1 else 0
         if not reason and partial > U32_MAX:
             reason = f"split scratch of {partial} floats overflows u32"
         if not reason and row_blocks * splits > U32_MAX:
@@ -172,7 +170,7 @@ class Tiled(KernelFamily):
 
         element = problem.element_bytes
         # Each query head's blocks read its KV head: a group's heads share K/V only in L2.
-        key_rows = key_rows_read_per_head(n, rows, problem.causal, kv_len)
+        key_rows = visible_keys_read_per_head(problem, rows, tile)
         read = element * bh * (n * d + 2 * key_rows * d)
         write = element * bh * n * d
         if splits > 1:

@@ -28,13 +28,15 @@ from tuner.planner.families.base import (
     checked_u32,
     executed_pairs,
     float4_merge_launch,
-    key_rows_read_per_head,
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
+    variant_defines,
+    variant_sfu_ops,
 )
 from tuner.planner.families.mma_f16 import DEFAULT_SPLIT_TARGETS
 from tuner.planner.fixed_width import U32_MAX, div_ceil
+from tuner.planner.key_span import span_tiles, visible_keys_read_per_head
 from tuner.planner.launches import DeviceBuffers, KernelLaunch, TensorMap
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, occupancy_and_waves
@@ -166,7 +168,6 @@ class WgmmaF16(KernelFamily):
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
     )
     heatmap_axes = ("block_n", "consumers")
-    partial_stats_per_row = 1  # one log2-sum-exp per row and split, as mma_f16
 
     def plan(self, problem: Problem, params: KernelParams, device: DeviceProfile) -> KernelPlan:
         n, d, bh, kv_len = problem.seq_len, problem.head_dim, problem.batch_heads, problem.kv_len
@@ -179,7 +180,7 @@ class WgmmaF16(KernelFamily):
             )
         block_m = WARPGROUP_ROWS * consumers
         threads = WARPGROUP_THREADS * (consumers + 1)
-        tile_count = div_ceil(kv_len, block_n)
+        tile_count = span_tiles(problem, block_n)
         splits = sequence_parallel_splits(tile_count, target=target)
         tiles_per_split = div_ceil(tile_count, splits)
         keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
@@ -206,7 +207,7 @@ class WgmmaF16(KernelFamily):
         elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
             reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
         if not reason:
-            reason = launch_verdict(threads, shared, device)
+            reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and blocks_per_sm * (shared + device.reserved_shared_memory_per_block) > (
             device.shared_memory_per_sm
         ):
@@ -238,7 +239,7 @@ class WgmmaF16(KernelFamily):
         launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
         reduce_launch = float4_merge_launch(bh, n, d, splits)
         element = problem.element_bytes
-        key_rows = key_rows_read_per_head(n, block_m, problem.causal, kv_len)
+        key_rows = visible_keys_read_per_head(problem, block_m, block_n)
         read = element * bh * (n * d + 2 * key_rows * d)
         write = element * bh * n * d
         if splits > 1:
@@ -294,6 +295,7 @@ class WgmmaF16(KernelFamily):
             "CONSUMER_REGISTERS": consumer_registers(
                 params.consumers, params.blocks_per_sm, SM90_REGISTERS_PER_SM
             ),
+            **variant_defines(p),
         }
 
     def key(self, plan: KernelPlan) -> str:
@@ -325,7 +327,7 @@ class WgmmaF16(KernelFamily):
         return CostTerms(
             matmul_pipe="wgmma_f16",
             executed_pairs=executed,
-            exps=bh * executed + bh * n * plan.tile_count,
+            exps=bh * (executed + variant_sfu_ops(p, executed)) + bh * n * plan.tile_count,
             shared_bytes=ELEMENT_BYTES * per_block * block_tiles * bh,
             # wgmma reads shared memory through descriptors, not lane instructions; the
             # TMA writes a tile per instruction: no lane ops to count.

@@ -1,0 +1,116 @@
+// Hopper (sm_90a) primitives: mbarriers, TMA tensor loads, the wgmma fences and shared-memory
+// matrix descriptors, and setmaxnreg. Operand meanings are the PTX ISA's.
+#pragma once
+
+#include <cuda.h>
+#include <stdint.h>
+
+namespace fa {
+
+// ---------------------------------------------------------------- mbarrier
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// Makes initialised barriers visible to the TMA (the async proxy).
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Returns once the phase of parity `parity` has completed (for a fresh barrier, parity 1
+// counts as the completed phase before the first: a producer's first pass over a ring).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// ---------------------------------------------------------------- TMA
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// A box of the tensor map at coordinates (c0, c1, c2) (innermost first) into shared memory,
+// completing its bytes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+
+// ---------------------------------------------------------------- wgmma fences
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Ties accumulator registers to this point of the program: the compiler may not move
+// their reads above a wgmma_wait or their writes below a wgmma issue (CUTLASS's
+// warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void fence_registers(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// ---------------------------------------------------------------- descriptors
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
+// leading and stride byte offsets, all >> 4 in 14 bits; bits 62-63 the swizzle mode
+// (1 = 128-byte).
+__device__ __forceinline__ uint64_t make_descriptor(uint32_t addr, uint32_t leading_bytes,
+                                                    uint32_t stride_bytes) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((leading_bytes & 0x3FFFF) >> 4) << 16) |
+           ((uint64_t)((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+// Tiles are stored as 64-column chunks of `rows` rows x 128 bytes in the 128-byte swizzle
+// (16-byte unit u of row r at unit u ^ (r % 8)), each chunk 1024-byte aligned: what the TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B and a {64, rows, 1} box.
+//
+// K-major operand (head_dim contiguous: Q, K), k16 step j: chunk j / 4, 32-byte column j % 4;
+// LBO unused by swizzled K-major layouts, SBO = 1024 (the next 8 rows).
+__device__ __forceinline__ uint64_t sw128_k_major(uint32_t tile, int rows, int j) {
+    return make_descriptor(tile + (j / 4) * rows * 128 + (j % 4) * 32, 16, 1024);
+}
+// MN-major operand (V: keys x head_dim, head_dim contiguous, used as B[keys][head_dim]),
+// k16 step j (keys 16 j .. 16 j + 15): LBO = the next 64 head_dim columns (the next chunk of
+// `rows` keys), SBO = the next 8 keys, as CUTLASS's and ThunderKittens' MN-major 128-byte
+// swizzle descriptors have it. Confirmed on the H200 (2026-12-03): the other reading (the
+// PTX ISA's one-line LBO/SBO definitions taken literally) faulted with an illegal address.
+__device__ __forceinline__ uint64_t sw128_mn_major(uint32_t tile, int rows, int j) {
+    return make_descriptor(tile + j * 16 * 128, rows * 128, 1024);
+}
+
+// ---------------------------------------------------------------- registers
+
+// Warpgroup-wide register budget changes (the producer gives, the consumers take).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace fa

@@ -1,0 +1,65 @@
+// Score modifications applied before the softmax (FlashInfer's variants, FlexAttention's
+// score_mod): the logit softcap (Gemma 2) and the ALiBi bias (BLOOM, MPT). Both run on the
+// raw scores s = q.k of one tile and map them to the log2-domain logits the online softmax
+// takes; without either, the softmax folds the scale into its exp2 argument instead (one
+// FFMA a score, the fast path), so apply() is a no-op.
+//
+//   softcap:  logit = softcap * tanh(s * scale / softcap)
+//   ALiBi:    logit += -slope_h * |r + off - k|    (off = kv_len - seq_len; slope per query head)
+// both multiplied by log2(e) for exp2. Scores of the m16n8 accumulator layout (see mask.cuh).
+#pragma once
+
+#include "fa/ptx.cuh"
+
+namespace fa {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <bool Softcap, bool Alibi>
+struct ScoreMod {
+    static constexpr bool kActive = Softcap || Alibi;
+
+    float scale_log2;  // log2(e) * softmax scale
+    float cap_in;      // softmax scale / softcap
+    float cap_out;     // softcap * log2(e)
+    float slope[2];    // -slope * log2(e) of the heads of a thread's two rows (ALiBi)
+    int offset;        // kv_len - seq_len
+
+    __device__ __forceinline__ ScoreMod(float scale_log2_, float softcap, int seq_len, int kv_len)
+        : scale_log2(scale_log2_), offset(kv_len - seq_len) {
+        cap_out = softcap * kLog2e;
+        cap_in = Softcap ? scale_log2_ / cap_out : 0.f;
+        slope[0] = slope[1] = 0.f;
+    }
+    // The heads of the thread's two rows (they differ only where decode packs a group's
+    // heads into one tile).
+    __device__ __forceinline__ void set_heads(const float* alibi_slopes, int head0, int head1) {
+        if (Alibi) {
+            slope[0] = -alibi_slopes[head0] * kLog2e;
+            slope[1] = -alibi_slopes[head1] * kLog2e;
+        }
+    }
+    // What the online softmax multiplies scores by: 1 once apply() has made them logits.
+    __device__ __forceinline__ float softmax_scale() const { return kActive ? 1.f : scale_log2; }
+
+    template <int NChunks>
+    __device__ __forceinline__ void apply(float* s, int key0, const int (&rows)[2], int lane) const {
+        if constexpr (kActive) {
+#pragma unroll
+            for (int c = 0; c < NChunks; ++c)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float x = s[4 * c + i];
+                    x = Softcap ? cap_out * fast_tanh(x * cap_in) : x * scale_log2;
+                    if (Alibi) {
+                        const int key = key0 + 8 * c + 2 * (lane % 4) + (i % 2);
+                        x += slope[i / 2] * fabsf(static_cast<float>(rows[i / 2] + offset - key));
+                    }
+                    s[4 * c + i] = x;
+                }
+        }
+    }
+};
+
+}  // namespace fa

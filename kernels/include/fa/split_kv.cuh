@@ -1,0 +1,91 @@
+// The split-KV contract every tiled family keeps (and the planner's families mirror in
+// tuner/planner/key_span.py): which block computes what, and which keys it visits.
+//
+//   grid = (row blocks, splits, heads): blockIdx.x a block of BLOCK_M query rows, blockIdx.y
+//   a split of the key range, blockIdx.z a (batch, head) (a (batch, KV head) for decode);
+//   query head bh reads KV head bh / group (grouped-query attention);
+//   split s covers keys [base + s * keys_per_split, base + (s + 1) * keys_per_split), base the
+//   first key the mask lets any row see (0 without a window); keys_per_split is a multiple
+//   of the key tile, so a split's tiles never cross into the next split;
+//   a block visits the tiles of its split that its rows can see: from the tile holding its
+//   first row's first visible key to its last row's last one.
+#pragma once
+
+#include "fa/score_mod.cuh"
+
+namespace fa {
+
+struct BlockCoordinates {
+    int m_block;  // row block
+    int bh;       // batch * heads + head (or batch * kv_heads + kv head)
+};
+
+// Under causal masking the row blocks near the end of the sequence carry the most keys:
+// HEAVIEST_FIRST hands them out first, across every (batch, head), so the last wave holds
+// the light blocks (blockIdx.x varies fastest in launch order).
+template <bool HeaviestFirst>
+__device__ __forceinline__ BlockCoordinates block_coordinates() {
+    if (HeaviestFirst) {
+        const int linear = blockIdx.z * gridDim.x + blockIdx.x;
+        return {static_cast<int>(gridDim.x) - 1 - linear / static_cast<int>(gridDim.z),
+                linear % static_cast<int>(gridDim.z)};
+    }
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.z)};
+}
+
+// Tile t of a block covers keys [begin + t * BlockN, begin + (t + 1) * BlockN) clipped at
+// `end`; count tiles in all.
+struct KeyTiles {
+    int begin;
+    int end;
+    int count;
+};
+
+template <int BlockN, class MaskT>
+__device__ __forceinline__ KeyTiles key_tiles(const MaskT& mask, int split, int keys_per_split,
+                                              int row_first, int row_last) {
+    const int split_begin = mask.split_base() + split * keys_per_split;
+    const int end = min(min(mask.kv_len, split_begin + keys_per_split), mask.end_key(row_last));
+    int begin = split_begin;
+    const int first = mask.first_key(row_first);
+    if (first > begin) begin += (first - begin) / BlockN * BlockN;  // whole tiles skipped
+    const int count = end > begin ? (end - begin + BlockN - 1) / BlockN : 0;
+    return {begin, end, count};
+}
+
+// A prefill block's place in the contract: its (batch, head) and KV head, its rows, its split
+// and the key tiles it visits, and the score modification of its head. Variant: the family's
+// traits (fa::Variant), whose mask and score modification it uses.
+template <class Variant, int BlockM, int BlockN>
+struct RowBlock {
+    typename Variant::MaskType mask;
+    int bh;      // batch * heads + head
+    int kv_bh;   // batch * kv_heads + the KV head it reads (bh / group)
+    int row0;    // first query row
+    int split;   // this block's split of the key range, of `splits`
+    int splits;
+    KeyTiles tiles;
+
+    __device__ __forceinline__ RowBlock(int seq_len, int kv_len, int group, int keys_per_split,
+                                        int window_left, int window_right)
+        : mask(seq_len, kv_len, window_left, window_right) {
+        const BlockCoordinates at = block_coordinates<Variant::kCausal>();
+        bh = at.bh;
+        kv_bh = at.bh / group;
+        row0 = at.m_block * BlockM;
+        split = blockIdx.y;
+        splits = gridDim.y;
+        tiles = key_tiles<BlockN>(mask, split, keys_per_split, row0, row0 + BlockM - 1);
+    }
+
+    // The score modification of this block's head (heads: query heads a batch holds).
+    __device__ __forceinline__ typename Variant::ScoreModType score_mod(
+        float scale_log2, float softcap, int seq_len, int kv_len, const float* alibi_slopes,
+        int heads) const {
+        typename Variant::ScoreModType mod(scale_log2, softcap, seq_len, kv_len);
+        mod.set_heads(alibi_slopes, bh % heads, bh % heads);
+        return mod;
+    }
+};
+
+}  // namespace fa
