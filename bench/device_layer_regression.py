@@ -154,8 +154,9 @@ def old_launches(launches: tuple[KernelLaunch, ...]) -> tuple[KernelLaunch, ...]
 
 def run(directory: Path, out: Path, rounds: int, repetitions: int) -> None:
     import torch
+    from driver_launch import DriverLauncher
 
-    from kernels.cuda_driver import CudaDriver, ctypes_argument, pack_launch
+    from kernels.cuda_driver import CudaDriver
     from kernels.launch import buffer_elements, launch_sequence
 
     torch.cuda.init()
@@ -181,7 +182,7 @@ def run(directory: Path, out: Path, rounds: int, repetitions: int) -> None:
         partial_o = torch.empty(max(sizes.partial_o, 1), device="cuda")
         partial_ml = torch.empty(max(2 * sizes.partial_ml, 1), device="cuda")
         timings: dict[str, list[float]] = {"old": [], "new": []}
-        calls = {}
+        launchers, outputs_of = {}, {}
         for version in ("old", "new"):
             out_tensor = torch.empty_like(q)
             buffers = DeviceBuffers(
@@ -192,37 +193,18 @@ def run(directory: Path, out: Path, rounds: int, repetitions: int) -> None:
             launches = launch_sequence(plan, buffers)
             if version == "old":
                 launches = old_launches(launches)
-            cubin = directory / f"{entry['name']}.{version}.cubin"
-            module = driver.load_module(cubin.read_bytes())
-            keep_alive, bound = [], []
-            for launch in launches:
-                function = driver.get_function(module, launch.function)
-                if launch.needs_shared_opt_in:
-                    driver.set_max_dynamic_shared(function, launch.shared_bytes)
-                arguments = []
-                for value in launch.args:
-                    if isinstance(value, TensorMap):
-                        keep_alive.append(driver.encode_tensor_map(value))
-                        arguments.append(keep_alive[-1].value)
-                    else:
-                        arguments.append(ctypes_argument(value))
-                packed = pack_launch(launch.function, function, launch.grid, launch.block,
-                                     launch.shared_bytes, arguments)
-                keep_alive.append(packed)
-                bound.append(driver.bind_launch(packed, stream))
-            calls[version] = (bound, keep_alive, out_tensor)
+            cubin = (directory / f"{entry['name']}.{version}.cubin").read_bytes()
+            launchers[version] = DriverLauncher(driver, cubin, launches, stream)
+            outputs_of[version] = out_tensor
 
-        def launch_all(version: str, calls: dict = calls, key: str = entry["key"]) -> None:
-            for call in calls[version][0]:
-                status = call()
-                if status:
-                    raise RuntimeError(f"{key} ({version}): {driver.error_string(status)}")
+        def launch_all(version: str, launchers: dict = launchers) -> None:
+            launchers[version]()
 
         for version in ("old", "new"):
             launch_all(version)
         torch.cuda.synchronize()
         for version in ("old", "new"):
-            outputs[version] = calls[version][2].float()
+            outputs[version] = outputs_of[version].float()
         difference = (outputs["old"] - outputs["new"]).abs().max().item()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(rounds):
@@ -246,6 +228,8 @@ def run(directory: Path, out: Path, rounds: int, repetitions: int) -> None:
             "finite": bool(torch.isfinite(outputs["new"]).all().item()),
         }
         results.append(result)
+        for launcher in launchers.values():
+            launcher.close()
         print(f"{entry['family']:14s} {entry['shape']:24s} {entry['key']:40s} old {old_ms:.4f} ms "
               f"new {new_ms:.4f} ms ratio {new_ms / old_ms:.3f} diff {difference:.2e}", flush=True)
     out.write_text(json.dumps({"old_rev": manifest["old_rev"], "rounds": rounds,

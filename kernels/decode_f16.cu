@@ -120,7 +120,7 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
     const int v_col = (lane / 16) * 8;
 
     // The query row (within its head) and the query head of each row this lane holds.
-    int query_row[M_TILES][2];
+    fa::FragmentRows query_row[M_TILES];
     Traits::ScoreModType score_mod[M_TILES] = {
 #if M_TILES == 2
         Traits::ScoreModType(scale_log2, softcap, seq_len, kv_len),
@@ -132,7 +132,7 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int packed = row0 + mt * 16 + fa::fragment_row(lane, half);
-            query_row[mt][half] = packed % seq_len;
+            query_row[mt].row[half] = packed % seq_len;
             head[half] = (kv_head * group + packed / seq_len) % heads;
         }
         score_mod[mt].set_heads(alibi_slopes, head[0], head[1]);
@@ -175,11 +175,16 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
         }
 
         // ---- score modifications, mask, online softmax (fp32, log2 domain)
-        const bool partial = mask.partial(key0, KEYS_PER_WARP, 0, seq_len - 1);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            score_mod[mt].apply<N_TILES>(&s_acc[mt][0][0], key0, query_row[mt], lane);
+        if (mask.partial(key0, KEYS_PER_WARP, 0, seq_len - 1)) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+                mask.apply<N_TILES>(&s_acc[mt][0][0], key0, query_row[mt], lane);
+        }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-            score_mod[mt].apply<N_TILES>(&s_acc[mt][0][0], key0, query_row[mt], lane);
-            if (partial) mask.apply<N_TILES>(&s_acc[mt][0][0], key0, query_row[mt], lane);
             float correction[2];
             softmax[mt].update<N_TILES>(&s_acc[mt][0][0], score_mod[mt].softmax_scale(),
                                         correction);

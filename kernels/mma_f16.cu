@@ -141,6 +141,11 @@ mma_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
     fa::SoftmaxRows softmax[M_TILES];
     const int warp_row0 = row0 + warp * ROWS_PER_WARP;
     const int warp_row_last = warp_row0 + ROWS_PER_WARP - 1;
+    // The two rows of m tile mt this lane holds.
+    auto warp_rows = [&](int mt) -> fa::FragmentRows {
+        return {warp_row0 + mt * 16 + fa::fragment_row(lane, 0),
+                warp_row0 + mt * 16 + fa::fragment_row(lane, 1)};
+    };
 
     for (int t = 0; t < tiles.count; ++t) {
         ring.advance(t, tiles.count, k_bh, v_bh, tiles.begin, kv_len, tid);
@@ -201,11 +206,15 @@ mma_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
             // has the headroom; registers do not).
             const bool partial = mask.partial(key0, BLOCK_N, warp_row0, warp_row_last);
 #pragma unroll
+            for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt)
+                score_mod.apply<N_TILES>(&s_acc[mt][0][0], key0, warp_rows(mt), lane);
+            if (partial) {
+#pragma unroll
+                for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt)
+                    mask.apply<N_TILES>(&s_acc[mt][0][0], key0, warp_rows(mt), lane);
+            }
+#pragma unroll
             for (int mt = group * MT_PER_GROUP; mt < (group + 1) * MT_PER_GROUP; ++mt) {
-                const int rows[2] = {warp_row0 + mt * 16 + fa::fragment_row(lane, 0),
-                                     warp_row0 + mt * 16 + fa::fragment_row(lane, 1)};
-                score_mod.apply<N_TILES>(&s_acc[mt][0][0], key0, rows, lane);
-                if (partial) mask.apply<N_TILES>(&s_acc[mt][0][0], key0, rows, lane);
                 float correction[2];
                 softmax[mt].update<N_TILES>(&s_acc[mt][0][0], score_mod.softmax_scale(),
                                             correction);

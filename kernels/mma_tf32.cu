@@ -84,6 +84,8 @@ static_assert(M_TILES >= 1 && M_TILES <= 2, "16 or 32 rows per warp");
 static_assert(PASSES == 1 || PASSES == 3, "one TF32 pass or the 3xTF32 split");
 
 struct Traits : fa::SwitchedVariant {
+    // float32 problems: the softcap's tanh in float32, not the SFU's 11 bits
+    using ScoreModType = fa::ScoreMod<kSoftcap, kAlibi, true>;
     using Ring = fa::KVRing<float, HEAD_DIM, ROW_STRIDE, THREADS, BLOCK_N, STAGES>;
     using QCopy = fa::TileCopy<float, HEAD_DIM, ROW_STRIDE, THREADS>;
 };
@@ -261,13 +263,20 @@ mma_tf32_attention(const float* __restrict__ q, const float* __restrict__ k,
         // ---- score modifications, then the mask (keys past kv_len, the causal
         // diagonal, the window), then the online softmax and O += P V, one m16 tile
         // at a time
-        const bool partial = mask.partial(key0, BLOCK_N, warp_row0, warp_row_last);
+        auto warp_rows = [&](int mt) -> fa::FragmentRows {
+            return {warp_row0 + mt * 16 + fa::fragment_row(lane, 0),
+                    warp_row0 + mt * 16 + fa::fragment_row(lane, 1)};
+        };
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            score_mod.apply<N_TILES>(&s_acc[mt][0][0], key0, warp_rows(mt), lane);
+        if (mask.partial(key0, BLOCK_N, warp_row0, warp_row_last)) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+                mask.apply<N_TILES>(&s_acc[mt][0][0], key0, warp_rows(mt), lane);
+        }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-            const int rows[2] = {warp_row0 + mt * 16 + fa::fragment_row(lane, 0),
-                                 warp_row0 + mt * 16 + fa::fragment_row(lane, 1)};
-            score_mod.apply<N_TILES>(&s_acc[mt][0][0], key0, rows, lane);
-            if (partial) mask.apply<N_TILES>(&s_acc[mt][0][0], key0, rows, lane);
             float corrections[2];
             softmax[mt].update<N_TILES>(&s_acc[mt][0][0], score_mod.softmax_scale(), corrections);
             // A column t is key 2t, column t + 4 is key 2t + 1 (see the head comment).

@@ -203,7 +203,7 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < KEYS_PER_LANE; ++j) {
                 const int key = tile_start + lane + j * THREADS_PER_ROW;
-                const bool valid = key < key_end && mask.visible(query, key);
+                const bool valid = key < key_end && mask.in_band(query, key);
                 score[i][j] = valid ? score[i][j] : -INFINITY;
                 tile_max = fmaxf(tile_max, score[i][j]);
             }

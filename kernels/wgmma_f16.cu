@@ -150,7 +150,7 @@ __device__ __forceinline__ void pack_p(const float* s_acc, uint32_t (*p_frag)[4]
 struct TileSoftmax {
     Traits::MaskType mask;
     Traits::ScoreModType score_mod;
-    int rows[2];      // this thread's two rows
+    fa::FragmentRows rows;  // this thread's two rows
     int wg_row0;      // the warpgroup's first row
     int lane;
     fa::SoftmaxRows state;
@@ -252,7 +252,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
         TileSoftmax softmax{block.mask,
                             block.score_mod(scale_log2, softcap, seq_len, kv_len, alibi_slopes,
                                             heads),
-                            {my_row, my_row + 8}, wg_row0, lane, {}};
+                            {{my_row, my_row + 8}}, wg_row0, lane, {}};
         float o_acc[O_REGS];
         fa::fill_zero<O_REGS>(o_acc);
 

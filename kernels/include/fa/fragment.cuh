@@ -16,6 +16,12 @@ __device__ __forceinline__ void fill_zero(float* r) {
     for (int i = 0; i < N; ++i) r[i] = 0.f;
 }
 
+// The two rows (half 0 and half 1) of an m16 tile a thread holds, as absolute row indices.
+struct FragmentRows {
+    int row[2];
+    __device__ __forceinline__ int operator[](int half) const { return row[half]; }
+};
+
 // Rows of a thread within its 16-row tile.
 __device__ __forceinline__ int fragment_row(int lane, int half) { return lane / 4 + 8 * half; }
 // The first of the two columns a thread holds in each n8 chunk.

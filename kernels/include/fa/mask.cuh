@@ -14,6 +14,8 @@
 
 #include <math.h>
 
+#include "fa/fragment.cuh"
+
 namespace fa {
 
 template <bool Causal, bool Window>
@@ -43,11 +45,17 @@ struct Mask {
         return kBanded ? min(kv_len, row + high + 1) : kv_len;
     }
 
-    __device__ __forceinline__ bool visible(int row, int key) const {
-        bool seen = key < kv_len;
-        if (kBanded) seen = seen && key <= row + high;
+    // Whether the key lies in the row's band (the causal diagonal and the window; every key
+    // without them), for callers that bound keys by kv_len themselves ...
+    __device__ __forceinline__ bool in_band(int row, int key) const {
+        bool seen = true;
+        if (kBanded) seen = key <= row + high;
         if (Window) seen = seen && key >= row + low;
         return seen;
+    }
+    // ... and whether the row sees the key at all.
+    __device__ __forceinline__ bool visible(int row, int key) const {
+        return key < kv_len && in_band(row, key);
     }
     // Keys [key0, key0 + keys) against rows [row_first, row_last]: whether some pair is
     // hidden (the scores need per-element masking) ...
@@ -67,7 +75,8 @@ struct Mask {
 
     // -inf for every hidden score of NChunks n8 chunks starting at key0.
     template <int NChunks>
-    __device__ __forceinline__ void apply(float* s, int key0, const int (&rows)[2], int lane) const {
+    __device__ __forceinline__ void apply(float* s, int key0, const FragmentRows& rows,
+                                          int lane) const {
 #pragma unroll
         for (int c = 0; c < NChunks; ++c)
 #pragma unroll

@@ -7,8 +7,11 @@
 //   softcap:  logit = softcap * tanh(s * scale / softcap)
 //   ALiBi:    logit += -slope_h * |r + off - k|    (off = kv_len - seq_len; slope per query head)
 // both multiplied by log2(e) for exp2. Scores of the m16n8 accumulator layout (see mask.cuh).
+// The softcap's tanh runs on the SFU (tanh.approx, about 2^-11 relative error: below a half
+// type's rounding) unless PreciseTanh asks for the float32 library tanh (float32 problems).
 #pragma once
 
+#include "fa/fragment.cuh"
 #include "fa/ptx.cuh"
 
 namespace fa {
@@ -16,7 +19,7 @@ namespace fa {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <bool Softcap, bool Alibi>
+template <bool Softcap, bool Alibi, bool PreciseTanh = false>
 struct ScoreMod {
     static constexpr bool kActive = Softcap || Alibi;
 
@@ -44,14 +47,20 @@ struct ScoreMod {
     __device__ __forceinline__ float softmax_scale() const { return kActive ? 1.f : scale_log2; }
 
     template <int NChunks>
-    __device__ __forceinline__ void apply(float* s, int key0, const int (&rows)[2], int lane) const {
+    __device__ __forceinline__ void apply(float* s, int key0, const FragmentRows& rows,
+                                          int lane) const {
         if constexpr (kActive) {
 #pragma unroll
             for (int c = 0; c < NChunks; ++c)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     float x = s[4 * c + i];
-                    x = Softcap ? cap_out * fast_tanh(x * cap_in) : x * scale_log2;
+                    if (Softcap) {
+                        const float t = x * cap_in;
+                        x = cap_out * (PreciseTanh ? tanhf(t) : fast_tanh(t));
+                    } else {
+                        x *= scale_log2;
+                    }
                     if (Alibi) {
                         const int key = key0 + 8 * c + 2 * (lane % 4) + (i % 2);
                         x += slope[i / 2] * fabsf(static_cast<float>(rows[i / 2] + offset - key));
