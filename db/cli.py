@@ -3,7 +3,7 @@
     python -m db best --seq-len 4096 --head-dim 128 [--nearest] [--json]
     python -m db list [--json]
     python -m db history [--seq-len N --head-dim D] [--limit 20] [--json]
-    python -m db export plans.json
+    python -m db export plans.json     (or - for standard output)
     python -m db import plans.json
     python -m db upgrade [--url URL]
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from db import transfer
+from db.export_target import is_standard_output
 from db.records import StoredPlan
 from db.registry import PlanRegistry, upgrade_registry
 from tuner.data_dir import default_registry_url
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     history.add_argument("--limit", type=_positive, default=20)
     export = commands.add_parser("export", parents=[common], help="write every plan as JSON")
-    export.add_argument("path")
+    export.add_argument("path", help="a file (a link writes its target), or - for stdout")
     import_ = commands.add_parser(
         "import", parents=[common, hashes], help="add the plans of an export (idempotent)"
     )
@@ -226,8 +227,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with PlanRegistry.open(args.url, readonly=True) as registry:
         if args.command == "export":
+            on_stdout = is_standard_output(args.path)  # before: the export may create the file
             count = registry.export(args.path)
-            print(json.dumps({"exported": count}) if args.json else f"exported {count} plans")
+            summary = json.dumps({"exported": count}) if args.json else f"exported {count} plans"
+            # With the export on stdout, the summary goes to stderr.
+            print(summary, file=sys.stderr if on_stdout else sys.stdout)
             return 0
         hashes = _source_hashes(args)
         if args.command == "best":

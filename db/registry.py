@@ -256,7 +256,8 @@ class PlanRegistry:
             ]
 
     def export(self, path: str | Path) -> int:
-        """Write every plan (history included) as JSON; returns how many."""
+        """Write every plan (history included) as JSON; returns how many. ``path`` may be
+        ``-`` (standard output) or a link (its target is written); see ``db.export_target``."""
         with self._read() as connection:
             plans = [
                 transfer.ExportedPlan(
@@ -264,7 +265,7 @@ class PlanRegistry:
                 )
                 for plan, is_best in reads.every_plan(connection)
             ]
-        transfer.write_export(Path(path), plans)
+        transfer.write_export(path, plans)
         return len(plans)
 
     # -- internals -----------------------------------------------------------

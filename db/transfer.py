@@ -15,12 +15,12 @@ it (it may merge into a registry that already has plans). Floats are written by
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from db import export_target
 from db.records import PlanRecord, StoredPlan
 from tuner.environment import Environment
 from tuner.errors import RegistryError
@@ -63,7 +63,7 @@ def stored_to_dict(stored: StoredPlan) -> dict[str, Any]:
     }
 
 
-def write_export(path: Path, plans: list[ExportedPlan]) -> None:
+def write_export(path: str | Path, plans: list[ExportedPlan]) -> None:
     document = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -73,14 +73,9 @@ def write_export(path: Path, plans: list[ExportedPlan]) -> None:
             for p in plans
         ],
     }
-    # Write then rename: a reader of ``path`` never sees half a file.
-    partial = path.with_name(path.name + ".partial")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-        os.replace(partial, path)
-    except OSError as e:
-        raise RegistryError(f"cannot write export {path}: {e.strerror or e}") from e
+    # A file is written then renamed (a reader never sees half of it), through links;
+    # ``-`` is standard output (``db.export_target``).
+    export_target.write_text(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
 def read_export(path: Path) -> list[ExportedPlan]:
