@@ -52,10 +52,18 @@ RETRY_BACKOFF_S = 0.01
 class PlanRegistry:
     """A handle on one registry database. Open with ``PlanRegistry.open``."""
 
-    def __init__(self, engine: Engine, label: str, *, readonly: bool) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        label: str,
+        *,
+        readonly: bool,
+        tidy: Callable[[], None] = lambda: None,
+    ) -> None:
         self._engine: Engine | None = engine
         self._label = label
         self._readonly = readonly
+        self._tidy = tidy
         self._cache = BestPlanCache(self.best)
 
     @classmethod
@@ -66,13 +74,15 @@ class PlanRegistry:
         """
         parsed = storage.parse_url(url or default_registry_url())
         label = storage.describe(parsed)
+        tidy = storage.SidecarTidy(parsed)
         engine = storage.create_registry_engine(parsed, readonly=readonly)
         try:
             schema.verify(engine, label, create=not readonly)
         except BaseException:
             engine.dispose()
+            tidy()  # a refused file keeps no -wal/-shm of ours
             raise
-        return cls(engine, label, readonly=readonly)
+        return cls(engine, label, readonly=readonly, tidy=tidy)
 
     @classmethod
     def check_writable(cls, url: str | None = None) -> None:
@@ -106,6 +116,7 @@ class PlanRegistry:
             # Closing the pooled connections lets SQLite checkpoint the WAL into the file.
             self._engine.dispose()
             self._engine = None
+            self._tidy()
         self._cache.clear()
 
     def __enter__(self) -> PlanRegistry:
@@ -334,8 +345,10 @@ def upgrade_registry(url: str | None = None) -> tuple[str | None, str]:
     Returns (revision before or None for a new database, revision after).
     """
     parsed = storage.parse_url(url or default_registry_url())
+    tidy = storage.SidecarTidy(parsed)
     engine = storage.create_registry_engine(parsed, readonly=False)
     try:
         return schema.upgrade(engine, storage.describe(parsed))
     finally:
         engine.dispose()
+        tidy()
