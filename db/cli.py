@@ -12,7 +12,8 @@ directory, ``$FLASH_ATTENTION_TUNER_DATA_DIR`` or ``~/.local/share/flash-attenti
 see ``tuner.data_dir``; the tuner writes there by default). Queries open the registry read-only. A
 database at an older schema revision is refused, by readers and writers, until
 ``upgrade`` is run on it. Exit status: 0 ok, 1 error (one line on stderr, never
-a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null).
+a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null),
+141 the reader of stdout went away (``| head -1``; quiet, as Unix tools).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from db import transfer
 from db.export_target import is_standard_output
 from db.records import StoredPlan
 from db.registry import PlanRegistry, upgrade_registry
+from tuner.broken_pipe import quiet_exit_status
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
@@ -269,3 +271,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TunerError as e:
         print(f"python -m db {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:
+        # ``python -m db list | head -1``: the reader has gone; quiet, as a Unix tool.
+        return quiet_exit_status()

@@ -65,6 +65,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from tuner import run_directory
+from tuner.broken_pipe import quiet_exit_status
 from tuner.config import (
     ValidatedConfig,
     allowed_values,
@@ -111,6 +112,10 @@ def run_job(cfg: DictConfig) -> int:
             raise
         report(str(error))
         status = 1
+    except BrokenPipeError:
+        # The reader of stdout went away (``| head -1``): quiet, as a Unix tool.
+        status = quiet_exit_status()
+        refused = False
     finally:
         job = run_directory.current()
         if job is not None:
@@ -158,6 +163,8 @@ def main() -> int:
     except KeyboardInterrupt:
         report("interrupted")
         return 130
+    except BrokenPipeError:
+        return quiet_exit_status()
     except OSError as error:
         # Before any job: Hydra could not create the run directory or its log, or
         # the working directory is gone. Inside a job an OSError is a bug.
