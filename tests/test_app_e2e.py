@@ -318,7 +318,7 @@ def test_cli_ctrl_c_keeps_the_best_so_far_and_the_rerun_continues(tmp_path):
             process.kill()
             process.wait()
     assert process.returncode == 130, stderr
-    assert "interrupted: the study keeps its finished trials" in stdout
+    assert "interrupted (Ctrl-C): the study keeps its finished trials" in stdout
     assert HEADER in stdout and "registry: best so far " in stdout
     assert stored(tmp_path, Problem(4096, 128)) is not None
     before = evaluated_keys(tmp_path)

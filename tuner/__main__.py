@@ -64,7 +64,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from tuner import run_directory
+from tuner import run_directory, termination
 from tuner.broken_pipe import quiet_exit_status
 from tuner.config import (
     ValidatedConfig,
@@ -78,6 +78,7 @@ from tuner.config import (
 from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
 from tuner.sweeps import JobFailed, in_launcher_process, job_overrides, mark_main_process, restore
+from tuner.termination import sigterm_as_ctrl_c
 
 #: ``tuner/conf``, shipped inside the package (package data), made absolute: Hydra resolves a
 #: relative path against the file only when this module runs as ``__main__``; imported (a
@@ -152,7 +153,8 @@ def main() -> int:
     os.environ[_FULL_ERROR] = "1"
     main_pid = mark_main_process()
     try:
-        run_job()
+        with sigterm_as_ctrl_c():
+            run_job()
     except JobFailed as failed:
         return max([failed.status, *_job_statuses])
     except (HydraException, OmegaConfBaseException) as error:
@@ -161,8 +163,8 @@ def main() -> int:
         report(describe_composition_error(error, sys.argv[1:]))
         return 1
     except KeyboardInterrupt:
-        report("interrupted")
-        return 130
+        report(f"interrupted ({termination.cause()})")
+        return termination.exit_status()
     except BrokenPipeError:
         return quiet_exit_status()
     except OSError as error:

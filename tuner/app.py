@@ -15,7 +15,8 @@
 
 Ctrl-C during the search ends it cleanly: finished trials stay in the study,
 the best so far is printed and stored (the output says so), measurement
-workers are stopped, and the exit status is 130. A worker process that failed
+workers are stopped, and the exit status is 130. SIGTERM does the same and
+exits 143 (``tuner.termination``). A worker process that failed
 or died is named in one line each, and the exit status is then 1 (the best of
 the study is stored all the same). Every run-level problem is a
 ``TunerError`` (one line at the CLI); failures of single candidates are values.
@@ -37,7 +38,7 @@ from tqdm import tqdm
 
 from db import PlanRecord, PlanRegistry, RecordStatus
 from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
-from tuner import plots, report
+from tuner import plots, report, termination
 from tuner.config import ValidatedConfig, space_axes_from
 from tuner.costmodel import predict
 from tuner.data_dir import default_registry_url
@@ -60,7 +61,6 @@ from tuner.study_storage import storage_url as display_url
 from tuner.trials import SearchResult, TrialOutcome
 from tuner.workers import IsolatedFactory, WorkerJob, plan_gpus, search_with_workers
 
-EXIT_INTERRUPTED = 130
 TOP_ROWS = 5
 _STATUS_WORDS = {
     RecordStatus.STORED_NEW_BEST: "the first plan of this problem and environment",
@@ -72,7 +72,8 @@ _STATUS_WORDS = {
 def run(
     validated: ValidatedConfig, *, output_dir: str | Path | None = None, out: TextIO | None = None
 ) -> int:
-    """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored)."""
+    """Tune ``validated.problem``; 0 when done, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted
+    (the best so far stored)."""
     out = out or sys.stdout
     config, problem = validated.config, validated.problem
     registry_url = config.registry.url or default_registry_url()  # validate() resolved it
@@ -166,14 +167,17 @@ def run(
     for line in failures:
         say(line)
     if result.interrupted:
-        say("interrupted: the study keeps its finished trials; the best so far follows")
+        say(
+            f"interrupted ({termination.cause()}): the study keeps its finished trials; "
+            "the best so far follows"
+        )
     say(report.best_table(result, TOP_ROWS))
     for line in report.summary_lines(result):
         say(line)
     say(_store_best(result, problem, environment, hashes, registry_url, replayed=variant != ""))
     say(_write_plots(result, problem, output_dir))
     if result.interrupted:
-        return EXIT_INTERRUPTED
+        return termination.exit_status()
     return 1 if failures else 0
 
 
