@@ -410,7 +410,10 @@ def _write_plots(result: SearchResult, problem: Problem, output_dir: str | Path 
     written = plots.write_plots(result, directory, problem.label())
     if not written:
         return "plots: none (no candidate produced a time)"
-    return f"plots: {', '.join(p.name for p in written)} in {directory}"
+    line = f"plots: {', '.join(p.name for p in written)} in {directory}"
+    if not any(trial.measured for trial in result.trials):
+        line += " (predicted times: without GPU timings no heatmap or predicted-vs-measured plot)"
+    return line
 
 
 def _hydra_run_directory() -> Path | None:
