@@ -91,6 +91,8 @@ _job_statuses: list[int] = []
 _tracebacks_wanted = False
 #: jobs this process started (an error before the first is Hydra's set-up or the launcher's)
 _jobs_started = 0
+#: the sweep directories of the jobs run here: removed at the end if no job used them
+_sweep_directories: set[Path] = set()
 #: packages whose errors are a sweep launcher's (its scheduler missing, ...), not the tuner's
 _LAUNCHER_PACKAGES = ("submitit", "hydra_plugins", "joblib")
 
@@ -121,6 +123,9 @@ def run_job(cfg: DictConfig) -> int:
         job = run_directory.current()
         if job is not None:
             run_directory.remove_if_unused(*job, failed=refused)
+        sweep = run_directory.current_sweep()
+        if sweep is not None and not in_launcher_process():
+            _sweep_directories.add(sweep.resolve())
     _job_statuses.append(status)
     if status != 0 and in_launcher_process():
         raise JobFailed(status, job_overrides())
@@ -180,6 +185,9 @@ def main() -> int:
         report(describe_launcher_error(error, sys.argv[1:]))
         return 1
     finally:
+        for sweep in _sweep_directories:
+            run_directory.remove_sweep_if_unused(sweep)
+        _sweep_directories.clear()
         restore(main_pid)
         if previous is None:
             os.environ.pop(_FULL_ERROR, None)
