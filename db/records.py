@@ -113,12 +113,13 @@ class RecordStatus(enum.StrEnum):
     STORED_NEW_BEST = "stored-new-best"  # first plan of its problem x environment
     REPLACED_BEST = "replaced-previous-best"
     KEPT_PREVIOUS_BEST = "kept-previous-best"  # stored as history only
+    ALREADY_STORED = "already-stored"  # the same trial's result is there: nothing written
 
 
 @dataclass(frozen=True, slots=True)
 class RecordOutcome:
     status: RecordStatus
-    plan_id: int  # the row just written
+    plan_id: int  # the row just written (ALREADY_STORED: the row that was there)
     best_plan_id: int  # the best of its problem x environment after the write
 
     @property

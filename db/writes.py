@@ -105,8 +105,48 @@ def record_plan(
     created_at: datetime,
     source_hashes: Mapping[str, str] | None,
 ) -> RecordOutcome:
+    """Store ``record``, unless it is a trial's result stored already.
+
+    A rerun of a finished study stores its best again: the same study, trial and
+    evidence. That is one result, not a second one: no history row is added.
+    """
     problem_id, environment_id = resolve_ids(session, problem, environment)
+    existing = same_result(session, problem_id, environment_id, record)
+    if existing is not None:
+        pointer = session.get(BestPlanRow, (problem_id, environment_id))
+        best = pointer.plan_id if pointer is not None else existing
+        return RecordOutcome(RecordStatus.ALREADY_STORED, existing, best)
     return record_plan_at(session, problem_id, environment_id, record, created_at, source_hashes)
+
+
+_SAME_TRIAL = select(PlanRow).where(
+    PlanRow.problem_id == bindparam("problem_id"),
+    PlanRow.environment_id == bindparam("environment_id"),
+    PlanRow.study_name == bindparam("study_name"),
+    PlanRow.trial_number == bindparam("trial_number"),
+)
+
+
+def same_result(
+    session: Session, problem_id: int, environment_id: int, record: PlanRecord
+) -> int | None:
+    """The id of a stored plan that is ``record`` from the same study trial, if any.
+
+    Only a record that names its study and trial can be recognised: two plans
+    without them may be two measurements that happen to agree.
+    """
+    if record.study_name is None or record.trial_number is None:
+        return None
+    rows = session.scalars(
+        _SAME_TRIAL,
+        {
+            "problem_id": problem_id,
+            "environment_id": environment_id,
+            "study_name": record.study_name,
+            "trial_number": record.trial_number,
+        },
+    )
+    return next((row.id for row in rows if record_of(row) == record), None)
 
 
 def record_plan_at(

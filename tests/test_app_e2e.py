@@ -124,6 +124,23 @@ def test_rerunning_the_same_command_continues_the_study(tmp_path, hydra_conf):
     assert "study: continuing " in output and "(9 trials done of search.n_trials=9;" in output
 
 
+def test_a_rerun_of_a_finished_study_adds_no_history_row(tmp_path, hydra_conf):
+    run_in_process(tmp_path, "backend=model", "search.n_trials=4", *urls(tmp_path))
+    for _ in range(2):
+        status, output = run_in_process(
+            tmp_path, "backend=model", "search.n_trials=4", *urls(tmp_path)
+        )
+        assert status == 0 and "already stored by an earlier run of this study" in output
+    with PlanRegistry.open(f"sqlite:///{tmp_path / 'r.sqlite'}", readonly=True) as registry:
+        assert len(registry.history(limit=None)) == 1
+    # A study that goes on and finds a better plan still adds its row.
+    run_in_process(tmp_path, "backend=model", "search.n_trials=40", *urls(tmp_path))
+    with PlanRegistry.open(f"sqlite:///{tmp_path / 'r.sqlite'}", readonly=True) as registry:
+        history = registry.history(limit=None)
+    assert len(history) in (1, 2)
+    assert len({(h.record.study_name, h.record.trial_number) for h in history}) == len(history)
+
+
 def test_another_sampler_starts_its_own_study(tmp_path, hydra_conf):
     status, output = run_in_process(
         tmp_path, "backend=model", "search=random", "search.n_trials=6", *urls(tmp_path)

@@ -66,6 +66,7 @@ _STATUS_WORDS = {
     RecordStatus.STORED_NEW_BEST: "the first plan of this problem and environment",
     RecordStatus.REPLACED_BEST: "replaces the previous best",
     RecordStatus.KEPT_PREVIOUS_BEST: "kept as history; the previous best stays",
+    RecordStatus.ALREADY_STORED: "already stored by an earlier run of this study; nothing added",
 }
 
 
