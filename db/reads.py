@@ -162,8 +162,9 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
     return params
 
 
-#: an environment to match: all of it, or only some of its fields (``{"gpu_name": ...}``)
-EnvironmentMatch = Environment | Mapping[str, Any]
+#: an environment to match: all of it, or only some of its fields (``{"gpu_name": ...}``,
+#: or as hashable ``(field, value)`` pairs, which the LRU of ``cached_best`` can key on)
+EnvironmentMatch = Environment | Mapping[str, Any] | tuple[tuple[str, Any], ...]
 
 
 def _environment_filter(environment: EnvironmentMatch) -> tuple[tuple[str, ...], dict[str, Any]]:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
@@ -231,7 +231,7 @@ class PlanRegistry:
     def cached_best(
         self,
         problem: Problem,
-        environment: Environment | None = None,
+        environment: Environment | tuple[tuple[str, Any], ...] | None = None,
         *,
         nearest: bool = False,
         source_hashes: Mapping[str, str] | None = None,

@@ -124,6 +124,20 @@ def test_rerunning_the_same_command_continues_the_study(tmp_path, hydra_conf):
     assert "study: continuing " in output and "(9 trials done of search.n_trials=9;" in output
 
 
+def test_the_dashboard_is_an_extra_named_only_where_installed(tmp_path, hydra_conf):
+    import importlib.util
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(
+        requirement.startswith("optuna-dashboard")
+        for requirement in project["optional-dependencies"]["dashboard"]
+    )
+    _, output = run_in_process(tmp_path, "backend=model", "search.n_trials=2", *urls(tmp_path))
+    installed = importlib.util.find_spec("optuna_dashboard") is not None
+    assert ("optuna-dashboard" in output) == installed
+
+
 def test_a_rerun_of_a_finished_study_adds_no_history_row(tmp_path, hydra_conf):
     run_in_process(tmp_path, "backend=model", "search.n_trials=4", *urls(tmp_path))
     for _ in range(2):

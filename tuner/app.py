@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from db import PlanRecord, PlanRegistry, RecordStatus
 from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
+from kernels.backends.model import MODEL_GPU_NAME
 from tuner import plots, report, termination
 from tuner.config import ValidatedConfig, space_axes_from
 from tuner.costmodel import predict
@@ -115,9 +116,15 @@ def run(
             grace_period_s=config.search.grace_period_s,
         )
         shown = display_url(storage)  # a server's password stays off the terminal
+        # The viewer is an optional extra: named where it is installed, as what it is.
+        viewer = (
+            f"; browse it with optuna-dashboard {shown}"
+            if importlib.util.find_spec("optuna_dashboard") is not None
+            else ""
+        )
         say(
             f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
-            f"{len(rejected)} rejected; optuna-dashboard {shown} shows it)"
+            f"{len(rejected)} rejected{viewer})"
         )
         done = _trials_done(storage, name)
         if done is not None:
@@ -365,10 +372,16 @@ def _store_best(
         else "predicted"
     )
     so_far = "best so far " if result.interrupted else ""
-    return (
+    line = (
         f"registry: {so_far}{best.key} ({best.median_ms:.4f} ms, {kind}) stored in {where} "
         f"for {problem.label()} on {environment.gpu_name}: {_STATUS_WORDS[outcome.status]}"
     )
+    if environment.gpu_name == MODEL_GPU_NAME:
+        line += (
+            f" (GPU name {MODEL_GPU_NAME!r}: a plan tuned without a GPU is never served on one; "
+            "kernels.attention there asks for its own GPU's plans)"
+        )
+    return line
 
 
 def plan_record(
