@@ -93,7 +93,8 @@ class StoredPlan:
     ``fallback``: served for a different (nearest) shape than the one asked.
     ``stale``: measured, but under a kernel source whose hash no longer matches
     the caller's; its timing says nothing about today's kernel, so it is not
-    served as measured.
+    served as measured. ``disabled_reason``: set by ``python -m db verify``; a
+    disabled plan is history only, never served (``best`` skips it).
     """
 
     plan_id: int
@@ -103,6 +104,8 @@ class StoredPlan:
     created_at: datetime
     fallback: bool = False
     stale: bool = False
+    #: why ``python -m db verify`` took it out of service; "" while it is served
+    disabled_reason: str = ""
 
     @property
     def served_as_measured(self) -> bool:

@@ -9,7 +9,9 @@
 
 Rules (``db.ranking`` has them in full): measured beats predicted, a stale
 measured plan (kernel source changed) is never served as measured, then the
-lower time wins. ``best`` looks for the exact problem first and, with
+lower time wins. A plan ``disable``d (by ``python -m db verify``) is never served:
+the next best plan of its problem x environment is. ``best`` looks for the exact
+problem first and, with
 ``nearest=True``, falls back to the nearest tuned shape of the same head_dim,
 dtype and causality, preferring shapes with a current measured plan.
 
@@ -185,6 +187,20 @@ class PlanRegistry:
             return ImportSummary(len(outcomes), len(entries) - len(outcomes), tuple(outcomes))
 
         return self._write(run, f"import {path}")
+
+    def disable(
+        self, plan_id: int, reason: str, *, source_hashes: Mapping[str, str] | None = None
+    ) -> int | None:
+        """Take a plan out of service (``python -m db verify``); the plan id now served for
+        its problem x environment, or None when none is left. See ``writes.disable_plan``."""
+
+        def run(session: Session) -> int | None:
+            try:
+                return writes.disable_plan(session, plan_id, reason, source_hashes)
+            except LookupError as error:
+                raise RegistryError(f"registry {self._label}: {error}") from error
+
+        return self._write(run, f"disable plan #{plan_id}")
 
     # -- reading -------------------------------------------------------------
 

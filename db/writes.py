@@ -214,3 +214,41 @@ def is_duplicate(
         },
     )
     return any(record_of(row) == record for row in candidates)
+
+
+def disable_plan(
+    session: Session, plan_id: int, reason: str, source_hashes: Mapping[str, str] | None
+) -> int | None:
+    """Take plan ``plan_id`` out of service with ``reason``; returns the plan now served for
+    its problem x environment (None when every plan of it is disabled).
+
+    The plan stays in the history. If it was the best pointer's, the pointer moves to the
+    best plan left by the registry's rule (``db.ranking``; a tie keeps the older), or goes
+    when none is left, so ``best()`` never serves a disabled plan.
+    """
+    if not reason:
+        raise ValueError("a disabled plan needs a reason")
+    row = session.get(PlanRow, plan_id)
+    if row is None:
+        raise LookupError(f"no plan #{plan_id} in the registry")
+    row.disabled_reason = reason
+    session.flush()
+    key = (row.problem_id, row.environment_id)
+    pointer = session.get(BestPlanRow, key, with_for_update=True)
+    if pointer is None or pointer.plan_id != plan_id:
+        return None if pointer is None else pointer.plan_id
+    left = session.scalars(
+        select(PlanRow).where(
+            PlanRow.problem_id == row.problem_id,
+            PlanRow.environment_id == row.environment_id,
+            PlanRow.disabled_reason == "",
+        )
+    ).all()
+    if not left:
+        session.delete(pointer)
+        session.flush()
+        return None
+    best = max(left, key=lambda r: (ranking.plan_rank(record_of(r), source_hashes), -r.id))
+    pointer.plan_id = best.id
+    session.flush()
+    return best.id

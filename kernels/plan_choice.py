@@ -160,6 +160,9 @@ class PlanChooser:
             return None, f"no plan registry (none given, no {default_registry_file()})"
         ask = {"nearest": self.nearest, "source_hashes": self.source_hashes}
         found = self.registry.cached_best(problem, self.environment, **ask)
+        if found is not None and found.disabled_reason:
+            # The registry never serves a disabled plan; a handle that did is not trusted.
+            return None, f"registry {self._label} answered {label} with a disabled plan"
         if found is not None:
             return self._of_dtype(problem, found)
         # Plans of the same GPU model under another driver/nvcc/pycuda are still good plans.
