@@ -109,9 +109,7 @@ def plan_error(problem: Problem, environment: Environment, record: PlanRecord) -
         if value is not None and not number_at_least(0).accepts(value):
             return f"{name}={value!r} must be {number_at_least(0).allowed}"
     if record.measured and environment.gpu_name == MODEL_GPU_NAME:
-        return (
-            f"a plan of gpu_name {MODEL_GPU_NAME!r} (the cost model, no GPU) cannot be measured"
-        )
+        return f"a plan of gpu_name {MODEL_GPU_NAME!r} (the cost model, no GPU) cannot be measured"
     return ""
 
 

@@ -173,8 +173,9 @@ def test_plan_choice_falls_to_the_next_best_measured_plan(url) -> None:
     with PlanRegistry.open(url) as registry:
         chooser = plan_choice.PlanChooser(registry, TUNED, H200, source_hashes={})
         assert chooser.plan_for(FLOAT).plan.key() == k["fast"]
-        verify(registry, ScriptedBackend({k["fast"]: 2.0, k["next"]: 0.6}), H200, NOW,
-               dtype="float32")
+        verify(
+            registry, ScriptedBackend({k["fast"]: 2.0, k["next"]: 0.6}), H200, NOW, dtype="float32"
+        )
     with PlanRegistry.open(url, readonly=True) as registry:
         chooser = plan_choice.PlanChooser(registry, TUNED, H200, source_hashes={})
         chosen = chooser.plan_for(FLOAT)

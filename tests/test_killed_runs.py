@@ -81,7 +81,11 @@ def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_run_again(
     url = f"sqlite:///{tmp_path / 'studies.sqlite'}"
     space, predictions = space_and_predictions()
     first = run_search(
-        space, RecordingBackend(), settings(3), storage=url, study_name="s",
+        space,
+        RecordingBackend(),
+        settings(3),
+        storage=url,
+        study_name="s",
         predictions=predictions,
     )
     assert first.counted == 3
@@ -127,7 +131,11 @@ def test_a_killed_trial_that_wrote_its_outcome_does_not_count(tmp_path: Path) ->
     url = f"sqlite:///{tmp_path / 'studies.sqlite'}"
     space, predictions = space_and_predictions()
     done = run_search(
-        space, RecordingBackend(), settings(3), storage=url, study_name="s",
+        space,
+        RecordingBackend(),
+        settings(3),
+        storage=url,
+        study_name="s",
         predictions=predictions,
     )
     assert done.counted == 3
@@ -155,8 +163,16 @@ def test_sigterm_stores_the_best_so_far_and_exits_143(tmp_path: Path) -> None:
     ]
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "tuner", "seq_len=4096", "head_dim=128", "dtype=float32",
-            "backend=model", "search.n_trials=400", *urls, f"hydra.run.dir={tmp_path / 'run'}",
+            sys.executable,
+            "-m",
+            "tuner",
+            "seq_len=4096",
+            "head_dim=128",
+            "dtype=float32",
+            "backend=model",
+            "search.n_trials=400",
+            *urls,
+            f"hydra.run.dir={tmp_path / 'run'}",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -184,6 +200,7 @@ def test_sigterm_in_process_is_ctrl_c_with_its_own_status(
 ) -> None:
     """The app itself: a SIGTERM while the search runs (sent by the backend, from inside
     a measurement) ends the run as Ctrl-C would, with status 143."""
+
     class TerminatedOnThirdMeasurement(RecordingBackend):
         def measure(self, plan, problem):  # type: ignore[no-untyped-def]
             if len(self.keys) == 2:
@@ -194,7 +211,10 @@ def test_sigterm_in_process_is_ctrl_c_with_its_own_status(
         cfg = compose(
             config_name="config",
             overrides=[
-                "seq_len=512", "head_dim=64", "dtype=float32", "backend=model",
+                "seq_len=512",
+                "head_dim=64",
+                "dtype=float32",
+                "backend=model",
                 "search.n_trials=20",
                 f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
                 f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
