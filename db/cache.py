@@ -13,20 +13,21 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from db.records import StoredPlan
 from tuner.environment import Environment
 from tuner.problem import Problem
 
-CacheKey = tuple[Problem, Environment | None, bool, frozenset[tuple[str, str]] | None]
+EnvironmentKey = Environment | tuple[tuple[str, Any], ...] | None
+CacheKey = tuple[Problem, EnvironmentKey, bool, frozenset[tuple[str, str]] | None]
 
 
 class BestLookup(Protocol):
     def __call__(
         self,
         problem: Problem,
-        environment: Environment | None = None,
+        environment: EnvironmentKey = None,
         *,
         nearest: bool = False,
         source_hashes: Mapping[str, str] | None = None,
@@ -50,7 +51,7 @@ class BestPlanCache:
     def get(
         self,
         problem: Problem,
-        environment: Environment | None = None,
+        environment: EnvironmentKey = None,
         *,
         nearest: bool = False,
         source_hashes: Mapping[str, str] | None = None,

@@ -3,16 +3,18 @@
     python -m db best --seq-len 4096 --head-dim 128 [--nearest] [--json]
     python -m db list [--json]
     python -m db history [--seq-len N --head-dim D] [--limit 20] [--json]
-    python -m db export plans.json
+    python -m db export plans.json     (or - for standard output)
     python -m db import plans.json
     python -m db upgrade [--url URL]
+    python -m db verify [--threshold 1.25] [--dtype D] [--json]   (on a GPU)
 
 Every subcommand takes ``--url`` (default: ``plans.sqlite`` in the per-user data
 directory, ``$FLASH_ATTENTION_TUNER_DATA_DIR`` or ``~/.local/share/flash-attention-tuner``,
 see ``tuner.data_dir``; the tuner writes there by default). Queries open the registry read-only. A
 database at an older schema revision is refused, by readers and writers, until
 ``upgrade`` is run on it. Exit status: 0 ok, 1 error (one line on stderr, never
-a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null).
+a traceback), 2 usage error, 3 ``best`` found no plan (``--json`` prints null),
+141 the reader of stdout went away (``| head -1``; quiet, as Unix tools).
 """
 
 from __future__ import annotations
@@ -20,14 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
 from db import transfer
+from db.export_target import is_standard_output
 from db.records import StoredPlan
 from db.registry import PlanRegistry, upgrade_registry
+from db.verification import (
+    DEFAULT_THRESHOLD,
+    Measuring,
+    Verdict,
+    gpu_measuring,
+    table,
+    verify,
+)
+from tuner.broken_pipe import quiet_exit_status
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
@@ -106,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     history.add_argument("--limit", type=_positive, default=20)
     export = commands.add_parser("export", parents=[common], help="write every plan as JSON")
-    export.add_argument("path")
+    export.add_argument("path", help="a file (a link writes its target), or - for stdout")
     import_ = commands.add_parser(
         "import", parents=[common, hashes], help="add the plans of an export (idempotent)"
     )
@@ -116,7 +128,32 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="create the database, or migrate it to the newest schema revision",
     )
+    verify = commands.add_parser(
+        "verify",
+        parents=[common, hashes],
+        help="re-measure this GPU's stored plans; disable those that fail or got slower",
+    )
+    verify.add_argument(
+        "--dtype", choices=SUPPORTED_DTYPES, help="only shapes of this dtype (default: all)"
+    )
+    verify.add_argument(
+        "--threshold",
+        type=_above_one,
+        default=DEFAULT_THRESHOLD,
+        help="disable a plan this many times slower than its stored time "
+        f"(default {DEFAULT_THRESHOLD})",
+    )
     return parser
+
+
+def _above_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 1 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 1")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -205,7 +242,9 @@ def _emit(args: argparse.Namespace, plans: Sequence[StoredPlan]) -> None:
             print(_summary(stored))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, measuring: Callable[[], Measuring] | None = None) -> int:
+    if args.command == "verify":
+        return _verify(args, measuring or gpu_measuring)
     if args.command == "upgrade":
         before, after = upgrade_registry(args.url)
         result: dict[str, Any] = {"url": args.url, "from": before, "to": after}
@@ -226,8 +265,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with PlanRegistry.open(args.url, readonly=True) as registry:
         if args.command == "export":
+            on_stdout = is_standard_output(args.path)  # before: the export may create the file
             count = registry.export(args.path)
-            print(json.dumps({"exported": count}) if args.json else f"exported {count} plans")
+            summary = json.dumps({"exported": count}) if args.json else f"exported {count} plans"
+            # With the export on stdout, the summary goes to stderr.
+            print(summary, file=sys.stderr if on_stdout else sys.stdout)
             return 0
         hashes = _source_hashes(args)
         if args.command == "best":
@@ -258,10 +300,65 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _verify(args: argparse.Namespace, measuring: Callable[[], Measuring]) -> int:
+    """Exit 0 when every plan verified passed, 1 when any was disabled (or on an error)."""
+    hashes = _source_hashes(args)
+    # The registry must exist and be one (a read-only open creates nothing) before the GPU
+    # is started; without a GPU the command is one error line and changes nothing.
+    PlanRegistry.open(args.url, readonly=True).close()
+    measured = measuring()
+    try:
+        with PlanRegistry.open(args.url) as registry:
+            verdicts = verify(
+                registry,
+                measured.backend,
+                measured.device,
+                measured.environment,
+                threshold=args.threshold,
+                dtype=args.dtype,
+                source_hashes=hashes,
+                prepare=measured.prepare,
+            )
+    finally:
+        measured.backend.close()
+    if args.json:
+        print(json.dumps([_verdict_dict(v) for v in verdicts], indent=1))
+    else:
+        print(table(verdicts))
+    disabled = [v for v in verdicts if not v.ok]
+    if disabled:
+        print(
+            f"python -m db verify: {len(disabled)} of {len(verdicts)} plans disabled on "
+            f"{measured.environment.gpu_name}",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return 0
+
+
+def _verdict_dict(verdict: Verdict) -> dict[str, Any]:
+    return {
+        "plan_id": verdict.stored.plan_id,
+        "problem": verdict.stored.problem.label(),
+        "plan": verdict.key,
+        "stored_ms": verdict.stored_ms,
+        "now_ms": verdict.now_ms,
+        "drift": verdict.drift,
+        "failure": verdict.failure,
+        "disabled": verdict.disabled,
+    }
+
+
+def main(
+    argv: Sequence[str] | None = None, *, measuring: Callable[[], Measuring] | None = None
+) -> int:
+    """``measuring``: what ``verify`` measures with (default: this GPU, ``gpu_measuring``)."""
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        return run(args, measuring)
     except TunerError as e:
         print(f"python -m db {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:
+        # ``python -m db list | head -1``: the reader has gone; quiet, as a Unix tool.
+        return quiet_exit_status()

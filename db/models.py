@@ -245,7 +245,8 @@ class ProblemRow(Base):
 
 
 class PlanRow(Base):
-    """One recorded plan and its evidence. Never updated or deleted: history."""
+    """One recorded plan and its evidence. Never deleted: history. Only ``disabled_reason``
+    is ever updated (``db.writes.disable_plan``)."""
 
     __tablename__ = "plans"
     __table_args__ = (
@@ -272,6 +273,9 @@ class PlanRow(Base):
     study_name: Mapped[str | None] = mapped_column(String(256))
     trial_number: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Added by revision 0006: why ``python -m db verify`` took the plan out of service;
+    # "" (every row from before) means served.
+    disabled_reason: Mapped[str] = mapped_column(Text, server_default="")
 
 
 class BestPlanRow(Base):

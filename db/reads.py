@@ -78,6 +78,7 @@ class FoundPlan:
     problem: Problem
     environment: Environment
     created_at: datetime
+    disabled_reason: str = ""
 
     def stored(
         self, *, fallback: bool = False, source_hashes: Mapping[str, str] | None = None
@@ -90,6 +91,7 @@ class FoundPlan:
             created_at=self.created_at,
             fallback=fallback,
             stale=ranking.is_stale(self.record, source_hashes),
+            disabled_reason=self.disabled_reason,
         )
 
 
@@ -115,6 +117,7 @@ def _found(row: Row[Any]) -> FoundPlan:
         problem=Problem(**{name: values[f"q_{name}"] for name in _NAMES["q"] if name != "id"}),
         environment=Environment(**{name: values[f"e_{name}"] for name in _ENVIRONMENT_FIELDS}),
         created_at=plan["created_at"],
+        disabled_reason=plan["disabled_reason"],
     )
 
 
@@ -162,8 +165,9 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
     return params
 
 
-#: an environment to match: all of it, or only some of its fields (``{"gpu_name": ...}``)
-EnvironmentMatch = Environment | Mapping[str, Any]
+#: an environment to match: all of it, or only some of its fields (``{"gpu_name": ...}``,
+#: or as hashable ``(field, value)`` pairs, which the LRU of ``cached_best`` can key on)
+EnvironmentMatch = Environment | Mapping[str, Any] | tuple[tuple[str, Any], ...]
 
 
 def _environment_filter(environment: EnvironmentMatch) -> tuple[tuple[str, ...], dict[str, Any]]:
@@ -211,6 +215,7 @@ def fastest_current_measured(
         "p.problem_id = :problem_id",
         "p.environment_id = :environment_id",
         "p.measured = :measured",
+        "p.disabled_reason = ''",
         "(" + " OR ".join(current) + ")",
     )
     stmt = _statement(where, order_by="p.median_ms, p.id", limited=True)
@@ -238,6 +243,17 @@ def history(
         params["limit"] = limit
     stmt = _statement(where, order_by="p.created_at DESC, p.id DESC", limited=limit is not None)
     return [_found(row) for row in connection.execute(stmt, params)]
+
+
+def served_plans(connection: Connection, problem_id: int, environment_id: int) -> list[FoundPlan]:
+    """The plans of one problem x environment that are not disabled, oldest first."""
+    where = (
+        "p.problem_id = :problem_id",
+        "p.environment_id = :environment_id",
+        "p.disabled_reason = ''",
+    )
+    params = {"problem_id": problem_id, "environment_id": environment_id}
+    return [_found(row) for row in connection.execute(_statement(where, order_by="p.id"), params)]
 
 
 def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:

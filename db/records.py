@@ -93,7 +93,8 @@ class StoredPlan:
     ``fallback``: served for a different (nearest) shape than the one asked.
     ``stale``: measured, but under a kernel source whose hash no longer matches
     the caller's; its timing says nothing about today's kernel, so it is not
-    served as measured.
+    served as measured. ``disabled_reason``: set by ``python -m db verify``; a
+    disabled plan is history only, never served (``best`` skips it).
     """
 
     plan_id: int
@@ -103,6 +104,8 @@ class StoredPlan:
     created_at: datetime
     fallback: bool = False
     stale: bool = False
+    #: why ``python -m db verify`` took it out of service; "" while it is served
+    disabled_reason: str = ""
 
     @property
     def served_as_measured(self) -> bool:
@@ -113,12 +116,13 @@ class RecordStatus(enum.StrEnum):
     STORED_NEW_BEST = "stored-new-best"  # first plan of its problem x environment
     REPLACED_BEST = "replaced-previous-best"
     KEPT_PREVIOUS_BEST = "kept-previous-best"  # stored as history only
+    ALREADY_STORED = "already-stored"  # the same trial's result is there: nothing written
 
 
 @dataclass(frozen=True, slots=True)
 class RecordOutcome:
     status: RecordStatus
-    plan_id: int  # the row just written
+    plan_id: int  # the row just written (ALREADY_STORED: the row that was there)
     best_plan_id: int  # the best of its problem x environment after the write
 
     @property

@@ -9,7 +9,9 @@
 
 Rules (``db.ranking`` has them in full): measured beats predicted, a stale
 measured plan (kernel source changed) is never served as measured, then the
-lower time wins. ``best`` looks for the exact problem first and, with
+lower time wins. A plan ``disable``d (by ``python -m db verify``) is never served:
+the next best plan of its problem x environment is. ``best`` looks for the exact
+problem first and, with
 ``nearest=True``, falls back to the nearest tuned shape of the same head_dim,
 dtype and causality, preferring shapes with a current measured plan.
 
@@ -27,7 +29,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
@@ -52,10 +54,18 @@ RETRY_BACKOFF_S = 0.01
 class PlanRegistry:
     """A handle on one registry database. Open with ``PlanRegistry.open``."""
 
-    def __init__(self, engine: Engine, label: str, *, readonly: bool) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        label: str,
+        *,
+        readonly: bool,
+        tidy: Callable[[], None] = lambda: None,
+    ) -> None:
         self._engine: Engine | None = engine
         self._label = label
         self._readonly = readonly
+        self._tidy = tidy
         self._cache = BestPlanCache(self.best)
 
     @classmethod
@@ -66,13 +76,15 @@ class PlanRegistry:
         """
         parsed = storage.parse_url(url or default_registry_url())
         label = storage.describe(parsed)
+        tidy = storage.SidecarTidy(parsed)
         engine = storage.create_registry_engine(parsed, readonly=readonly)
         try:
             schema.verify(engine, label, create=not readonly)
         except BaseException:
             engine.dispose()
+            tidy()  # a refused file keeps no -wal/-shm of ours
             raise
-        return cls(engine, label, readonly=readonly)
+        return cls(engine, label, readonly=readonly, tidy=tidy)
 
     @classmethod
     def check_writable(cls, url: str | None = None) -> None:
@@ -106,6 +118,7 @@ class PlanRegistry:
             # Closing the pooled connections lets SQLite checkpoint the WAL into the file.
             self._engine.dispose()
             self._engine = None
+            self._tidy()
         self._cache.clear()
 
     def __enter__(self) -> PlanRegistry:
@@ -175,6 +188,20 @@ class PlanRegistry:
 
         return self._write(run, f"import {path}")
 
+    def disable(
+        self, plan_id: int, reason: str, *, source_hashes: Mapping[str, str] | None = None
+    ) -> int | None:
+        """Take a plan out of service (``python -m db verify``); the plan id now served for
+        its problem x environment, or None when none is left. See ``writes.disable_plan``."""
+
+        def run(session: Session) -> int | None:
+            try:
+                return writes.disable_plan(session, plan_id, reason, source_hashes)
+            except LookupError as error:
+                raise RegistryError(f"registry {self._label}: {error}") from error
+
+        return self._write(run, f"disable plan #{plan_id}")
+
     # -- reading -------------------------------------------------------------
 
     def best(
@@ -220,7 +247,7 @@ class PlanRegistry:
     def cached_best(
         self,
         problem: Problem,
-        environment: Environment | None = None,
+        environment: Environment | tuple[tuple[str, Any], ...] | None = None,
         *,
         nearest: bool = False,
         source_hashes: Mapping[str, str] | None = None,
@@ -256,7 +283,8 @@ class PlanRegistry:
             ]
 
     def export(self, path: str | Path) -> int:
-        """Write every plan (history included) as JSON; returns how many."""
+        """Write every plan (history included) as JSON; returns how many. ``path`` may be
+        ``-`` (standard output) or a link (its target is written); see ``db.export_target``."""
         with self._read() as connection:
             plans = [
                 transfer.ExportedPlan(
@@ -264,7 +292,7 @@ class PlanRegistry:
                 )
                 for plan, is_best in reads.every_plan(connection)
             ]
-        transfer.write_export(Path(path), plans)
+        transfer.write_export(path, plans)
         return len(plans)
 
     # -- internals -----------------------------------------------------------
@@ -333,8 +361,10 @@ def upgrade_registry(url: str | None = None) -> tuple[str | None, str]:
     Returns (revision before or None for a new database, revision after).
     """
     parsed = storage.parse_url(url or default_registry_url())
+    tidy = storage.SidecarTidy(parsed)
     engine = storage.create_registry_engine(parsed, readonly=False)
     try:
         return schema.upgrade(engine, storage.describe(parsed))
     finally:
         engine.dispose()
+        tidy()

@@ -25,13 +25,14 @@ from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from db.storage import BEGIN_MODE_OPTION, FOREIGN_KEYS_OFF_OPTION, registry_error
+from tuner.database_kinds import STUDY_STORAGE, kind_of
 from tuner.errors import RegistryError
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
 #: Every revision in ``db/migrations/versions``, oldest first (a test checks it).
-KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 HEAD_REVISION = KNOWN_REVISIONS[-1]
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"
@@ -48,9 +49,14 @@ class _Foreign:
     """Tables, but no version table: some other application's database."""
 
 
+class _Study:
+    """An Optuna study storage: it has an ``alembic_version`` too, of Optuna's revisions."""
+
+
 EMPTY = _Empty()
 FOREIGN = _Foreign()
-SchemaState = str | _Empty | _Foreign
+STUDY = _Study()
+SchemaState = str | _Empty | _Foreign | _Study
 
 
 def upgrade_command(label: str) -> str:
@@ -69,9 +75,11 @@ def alembic_config() -> Config:
 
 
 def read_state(connection: Connection) -> SchemaState:
-    inspector = inspect(connection)
-    if not inspector.has_table(VERSION_TABLE):
-        return FOREIGN if inspector.get_table_names() else EMPTY
+    names = inspect(connection).get_table_names()
+    if kind_of(names) == STUDY_STORAGE:
+        return STUDY
+    if VERSION_TABLE not in names:
+        return FOREIGN if names else EMPTY
     revisions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars()
     found = list(revisions)
     if len(found) != 1:
@@ -103,6 +111,12 @@ def refusal(state: SchemaState, label: str) -> RegistryError:
         return RegistryError(
             f"{label} is a database but not a plan registry (no {VERSION_TABLE} revision)"
         )
+    if state is STUDY:
+        return RegistryError(
+            f"{label} is an Optuna study storage (tables studies, trials), not a plan registry: "
+            "give the registry its own database (registry.url, --url; plans.sqlite by default) "
+            "and leave this one to the study (search.storage)"
+        )
     if state in KNOWN_REVISIONS:
         return RegistryError(
             f"registry {label} has schema revision {state}, older than this code's "
@@ -120,7 +134,9 @@ def verify(engine: Engine, label: str, *, create: bool) -> None:
     try:
         with engine.connect() as connection:
             state = _quick_revision(connection)
-            if state is None:
+            if state != HEAD_REVISION:
+                # The tables decide what a database that is not at HEAD is: empty, older,
+                # or not a registry at all (an Optuna study storage has a revision too).
                 with connection.begin():
                     state = read_state(connection)
     except SQLAlchemyError as e:
@@ -153,7 +169,7 @@ def upgrade(engine: Engine, label: str) -> tuple[str | None, str]:
                 with connection.begin():
                     _lock_out_other_upgrades(connection)
                     before = read_state(connection)
-                    if before is FOREIGN or (
+                    if before is FOREIGN or before is STUDY or (
                         isinstance(before, str) and before not in KNOWN_REVISIONS
                     ):
                         raise refusal(before, label)

@@ -123,6 +123,56 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
+#: the files SQLite keeps beside a database in WAL mode while it is open
+WAL_SIDECARS = ("-wal", "-shm")
+
+
+class SidecarTidy:
+    """Removes the ``-wal``/``-shm`` files a handle made beside a SQLite file, when it closes.
+
+    SQLite deletes them when the last connection to a WAL database closes, but
+    only a connection that may write can: a read-only handle (``mode=ro``: every
+    ``python -m db`` query, the tuner's check of an existing registry) leaves
+    them behind, also beside a file it refused as corrupt. After such a handle
+    is disposed, one plain connection is opened and closed, so that SQLite
+    itself, as the last connection, checkpoints and removes them; it does
+    nothing while any other process has the database open, and nothing to files
+    that were there before this handle opened.
+    """
+
+    def __init__(self, url: URL) -> None:
+        path = sqlite_file(url) if is_sqlite(url) else None
+        self._path = path
+        self._existed = frozenset(
+            s for s in WAL_SIDECARS if path is not None and _sidecar(path, s).exists()
+        )
+
+    def __call__(self) -> None:
+        path = self._path
+        if path is None:
+            return
+        made = [
+            s for s in WAL_SIDECARS if s not in self._existed and _sidecar(path, s).exists()
+        ]
+        if not made or not path.is_file():
+            return
+        if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)):
+            return  # read-only here: SQLite could not remove them either
+        with suppress(sqlite3.Error):
+            connection = sqlite3.connect(path, timeout=1.0)
+            try:
+                # Opening the WAL is what lets the closing connection clean it up; on a
+                # file that is not a database this fails, and the close still tidies.
+                with suppress(sqlite3.Error):
+                    connection.execute("PRAGMA journal_mode").fetchone()
+            finally:
+                connection.close()
+
+
+def _sidecar(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
 def create_registry_engine(url: URL, *, readonly: bool) -> Engine:
     """An engine for ``url``, checking the file system first for SQLite."""
     try:

@@ -15,12 +15,12 @@ it (it may merge into a registry that already has plans). Floats are written by
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from db import export_target
 from db.records import PlanRecord, StoredPlan
 from tuner.environment import Environment
 from tuner.errors import RegistryError
@@ -63,7 +63,7 @@ def stored_to_dict(stored: StoredPlan) -> dict[str, Any]:
     }
 
 
-def write_export(path: Path, plans: list[ExportedPlan]) -> None:
+def write_export(path: str | Path, plans: list[ExportedPlan]) -> None:
     document = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -73,14 +73,9 @@ def write_export(path: Path, plans: list[ExportedPlan]) -> None:
             for p in plans
         ],
     }
-    # Write then rename: a reader of ``path`` never sees half a file.
-    partial = path.with_name(path.name + ".partial")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-        os.replace(partial, path)
-    except OSError as e:
-        raise RegistryError(f"cannot write export {path}: {e.strerror or e}") from e
+    # A file is written then renamed (a reader never sees half of it), through links;
+    # ``-`` is standard output (``db.export_target``).
+    export_target.write_text(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
 def read_export(path: Path) -> list[ExportedPlan]:
@@ -101,11 +96,32 @@ def read_export(path: Path) -> list[ExportedPlan]:
     plans = document.get("plans")
     if not isinstance(plans, list):
         raise RegistryError(f"{path}: 'plans' must be a list")
-    return [_entry(path, index, entry) for index, entry in enumerate(plans)]
+    # Imported here: the checks load the config rules (Hydra's), which reads need not.
+    from db.import_checks import problem_error, row_error
+
+    entries = []
+    for index, entry in enumerate(plans):
+        if isinstance(entry, dict) and isinstance(entry.get("problem"), dict):
+            # Before the problem is built: a row of dtype int8 says so, not that its
+            # precision does not fit it.
+            _refuse(path, index, problem_error(entry["problem"]))
+        exported = _entry(path, index, entry)
+        _refuse(path, index, row_error(exported.problem, exported.environment, exported.record))
+        entries.append(exported)
+    return entries
+
+
+def _refuse(path: Path, index: int, reason: str) -> None:
+    if reason:
+        raise RegistryError(
+            f"{path}: plan #{index} is not one a tuner could produce ({reason}); nothing imported"
+        )
 
 
 def _entry(path: Path, index: int, entry: Any) -> ExportedPlan:
     try:
+        if not isinstance(entry, dict) or not isinstance(entry.get("problem"), dict):
+            raise TypeError("a plan is an object with a 'problem' object")
         created_at = datetime.fromisoformat(entry["created_at"])
         if created_at.tzinfo is None:
             raise ValueError("created_at has no time zone")
@@ -117,4 +133,4 @@ def _entry(path: Path, index: int, entry: Any) -> ExportedPlan:
             best=bool(entry.get("best", False)),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise RegistryError(f"{path}: plan #{index} is malformed ({e})") from e
+        raise RegistryError(f"{path}: plan #{index} is malformed ({e}); nothing imported") from e

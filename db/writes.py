@@ -105,8 +105,48 @@ def record_plan(
     created_at: datetime,
     source_hashes: Mapping[str, str] | None,
 ) -> RecordOutcome:
+    """Store ``record``, unless it is a trial's result stored already.
+
+    A rerun of a finished study stores its best again: the same study, trial and
+    evidence. That is one result, not a second one: no history row is added.
+    """
     problem_id, environment_id = resolve_ids(session, problem, environment)
+    existing = same_result(session, problem_id, environment_id, record)
+    if existing is not None:
+        pointer = session.get(BestPlanRow, (problem_id, environment_id))
+        best = pointer.plan_id if pointer is not None else existing
+        return RecordOutcome(RecordStatus.ALREADY_STORED, existing, best)
     return record_plan_at(session, problem_id, environment_id, record, created_at, source_hashes)
+
+
+_SAME_TRIAL = select(PlanRow).where(
+    PlanRow.problem_id == bindparam("problem_id"),
+    PlanRow.environment_id == bindparam("environment_id"),
+    PlanRow.study_name == bindparam("study_name"),
+    PlanRow.trial_number == bindparam("trial_number"),
+)
+
+
+def same_result(
+    session: Session, problem_id: int, environment_id: int, record: PlanRecord
+) -> int | None:
+    """The id of a stored plan that is ``record`` from the same study trial, if any.
+
+    Only a record that names its study and trial can be recognised: two plans
+    without them may be two measurements that happen to agree.
+    """
+    if record.study_name is None or record.trial_number is None:
+        return None
+    rows = session.scalars(
+        _SAME_TRIAL,
+        {
+            "problem_id": problem_id,
+            "environment_id": environment_id,
+            "study_name": record.study_name,
+            "trial_number": record.trial_number,
+        },
+    )
+    return next((row.id for row in rows if record_of(row) == record), None)
 
 
 def record_plan_at(
@@ -174,3 +214,41 @@ def is_duplicate(
         },
     )
     return any(record_of(row) == record for row in candidates)
+
+
+def disable_plan(
+    session: Session, plan_id: int, reason: str, source_hashes: Mapping[str, str] | None
+) -> int | None:
+    """Take plan ``plan_id`` out of service with ``reason``; returns the plan now served for
+    its problem x environment (None when every plan of it is disabled).
+
+    The plan stays in the history. If it was the best pointer's, the pointer moves to the
+    best plan left by the registry's rule (``db.ranking``; a tie keeps the older), or goes
+    when none is left, so ``best()`` never serves a disabled plan.
+    """
+    if not reason:
+        raise ValueError("a disabled plan needs a reason")
+    row = session.get(PlanRow, plan_id)
+    if row is None:
+        raise LookupError(f"no plan #{plan_id} in the registry")
+    row.disabled_reason = reason
+    session.flush()
+    key = (row.problem_id, row.environment_id)
+    pointer = session.get(BestPlanRow, key, with_for_update=True)
+    if pointer is None or pointer.plan_id != plan_id:
+        return None if pointer is None else pointer.plan_id
+    left = session.scalars(
+        select(PlanRow).where(
+            PlanRow.problem_id == row.problem_id,
+            PlanRow.environment_id == row.environment_id,
+            PlanRow.disabled_reason == "",
+        )
+    ).all()
+    if not left:
+        session.delete(pointer)
+        session.flush()
+        return None
+    best = max(left, key=lambda r: (ranking.plan_rank(record_of(r), source_hashes), -r.id))
+    pointer.plan_id = best.id
+    session.flush()
+    return best.id

@@ -3,7 +3,8 @@
 ``PlanChooser.plan_for(problem)`` asks the registry once per (shape, causal, dtype) with the
 live GPU's ``Environment`` and the current kernel source hashes. A stale (source changed) or
 predicted-only plan is used with a warning, a plan tuned on the same GPU model under another
-toolchain too; a plan from another GPU is not used, nor one stored for another dtype or of a
+toolchain too; a plan from another GPU is not used, nor one tuned without a GPU (filed
+under the GPU name "model": cost-model predictions), nor one stored for another dtype or of a
 family that does not take the problem's dtype. Without one, the planner's default plan (among
 the families that take the dtype, the feasible candidate with the lowest predicted time on the
 live device that passes ``check``) is used as a fallback, marked ``origin="default"``, with a
@@ -65,6 +66,15 @@ def _same_gpu(one: Environment, other: Environment) -> bool:
         other.gpu_name,
         other.compute_capability,
         other.sm_count,
+    )
+
+
+def _gpu_model(environment: Environment) -> tuple[tuple[str, str | int], ...]:
+    """The GPU model's fields of ``environment``, as a partial match for the registry."""
+    return (
+        ("gpu_name", environment.gpu_name),
+        ("compute_capability", environment.compute_capability),
+        ("sm_count", environment.sm_count),
     )
 
 
@@ -150,17 +160,24 @@ class PlanChooser:
             return None, f"no plan registry (none given, no {default_registry_file()})"
         ask = {"nearest": self.nearest, "source_hashes": self.source_hashes}
         found = self.registry.cached_best(problem, self.environment, **ask)
+        if found is not None and found.disabled_reason:
+            # The registry never serves a disabled plan; a handle that did is not trusted.
+            return None, f"registry {self._label} answered {label} with a disabled plan"
         if found is not None:
             return self._of_dtype(problem, found)
         # Plans of the same GPU model under another driver/nvcc/pycuda are still good plans.
+        # Asked by the GPU's name too: a plan of another GPU, or one tuned without a GPU
+        # (gpu_name "model", cost-model predictions), must never shadow them.
+        same_gpu = self.registry.cached_best(problem, _gpu_model(self.environment), **ask)
+        if same_gpu is not None:
+            same_gpu, why = self._of_dtype(problem, same_gpu)
+            if same_gpu is None:
+                return None, why
+            if _same_gpu(same_gpu.environment, self.environment):
+                return same_gpu, ""
         anywhere = self.registry.cached_best(problem, None, **ask)
         if anywhere is None:
             return None, f"no plan for {label} in registry {self._label}"
-        anywhere, why = self._of_dtype(problem, anywhere)
-        if anywhere is None:
-            return None, why
-        if _same_gpu(anywhere.environment, self.environment):
-            return anywhere, ""
         other = anywhere.environment
         return None, (
             f"registry {self._label} holds a plan for {label} only for another GPU "

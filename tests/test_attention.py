@@ -504,6 +504,24 @@ def test_a_plan_of_another_toolchain_is_used_one_of_another_gpu_is_not(registry,
     assert "only for another GPU (NVIDIA A100-SXM4-80GB, 108 SMs)" in chosen.warnings[0]
 
 
+def test_a_plan_tuned_without_a_gpu_is_never_served_on_one(registry, caplog) -> None:
+    """Plans a CPU-only run stores are filed under the GPU name "model" (cost-model
+    predictions): on a GPU they are never used, not even when they are the fastest
+    predictions in the registry and a plan of this GPU model is only predicted too."""
+    cpu_only = Environment("model", "9.0", 132)
+    registry.record(PROBLEM, cpu_only, record(measured=False, median_ms=0.001))
+    chosen = chooser(registry).plan_for(PROBLEM)
+    assert chosen.origin == "default"
+    assert "only for another GPU (model, 132 SMs), not this NVIDIA H200" in chosen.warnings[0]
+    this_gpu_model = Environment("NVIDIA H200", "9.0", 132, "570.1", "12.8")
+    other = STORED | {"tile_size": 64}
+    registry.record(PROBLEM, this_gpu_model, record(params=other, measured=False, median_ms=0.9))
+    chosen = chooser(registry).plan_for(PROBLEM)
+    assert chosen.origin == "registry" and chosen.stored is not None
+    assert chosen.stored.environment == this_gpu_model
+    assert chosen.plan.tile_size == 64
+
+
 def test_a_stored_plan_that_cannot_run_here_falls_back(registry, caplog) -> None:
     registry.record(PROBLEM, ENV, record(params=STORED | {"threads": 2048}))
     chosen = chooser(registry).plan_for(PROBLEM)
@@ -539,8 +557,9 @@ def test_the_registry_is_asked_once_per_shape(registry) -> None:
         choosing.plan_for(PROBLEM)
     assert counting.calls == 1
     for _ in range(5):
-        choosing.plan_for(Problem(256, 64))  # not stored: this GPU, then any GPU
-    assert counting.calls == 3
+        # not stored: this GPU, this GPU model under any toolchain, then any GPU (to say why)
+        choosing.plan_for(Problem(256, 64))
+    assert counting.calls == 4
 
 
 def of_dtype(problem: Problem, dtype: str) -> Problem:
@@ -625,7 +644,7 @@ def test_the_fallback_warns_once_per_shape_and_dtype(registry, caplog) -> None:
     assert [note.split(" in registry")[0] for note in notes] == [
         f"no plan for {problem.label()}" for problem in (bf16, fp16, other)
     ]
-    assert counting.calls == 6  # per shape and dtype: this GPU, then any GPU; once
+    assert counting.calls == 9  # per shape and dtype: this GPU, its model, any GPU; once
 
 
 def test_a_dtype_no_family_takes_is_one_error(monkeypatch) -> None:
@@ -1021,7 +1040,7 @@ def test_one_handle_per_problem_and_device(gpu, registry, monkeypatch) -> None:
     for _ in range(3):
         for problem in (SMALL, *others.values()):
             attend.handle(problem)
-    assert counting.calls == 2 * 4  # per problem: this GPU, then any GPU; once
+    assert counting.calls == 3 * 4  # per problem: this GPU, its model, any GPU; once
     # q, k, v of another signature (shape) reach another handle; the same problem, the same
     _, (q2, k2, v2, _) = fake_tensors(gpu, others["shape"])
     attend(q2, k2, v2, True)

@@ -152,6 +152,17 @@ def test_multirun_sweep_keeps_going_past_a_bad_job(tmp_path: Path) -> None:
     ]
     assert result.stdout.count("problem: ") == 2
     assert_nothing_stored(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no multirun/ directory either
+
+
+def test_a_sweep_with_one_bad_value_leaves_no_multirun_directory(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, "-m", "seq_len=1024,-5", "head_dim=64", "dtype=float32",
+                     "mode=plan", "plan_rows=1")
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: seq_len=-5 is invalid: must be an integer in 1..4294967295"
+    ]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_multirun_sweep_of_good_shapes(tmp_path: Path) -> None:
@@ -168,6 +179,7 @@ def test_multirun_sweep_of_good_shapes(tmp_path: Path) -> None:
     assert result.stderr == ""
     assert result.stdout.count("problem: ") == 4
     assert_nothing_stored(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- In-process: the entry's own handling, with a stand-in for tuner.app --------------------

@@ -10,14 +10,20 @@ must end its measurement with its reason, the worker is replaced only where the
 CUDA context cannot be trusted, the next candidate measures normally, no failed
 plan reaches the registry, and no process of ours is left on the GPU.
 
+Which plan gets which fault, and the study's trial order, are named in
+``tests/fault_plans.py``, not taken from the cost model's ranking: a refit of the model
+cannot move a fault onto a plan it was never checked on. ``tests/test_reliability_faults.py``
+compiles every broken source with those plans' defines on the CPU.
+
 Skipped where pycuda is missing or no CUDA device answers. About a minute on an
 H200: one worker start per lost context (~2 s each), two 10 s hangs, and on a cold
-cubin cache the 63 variants of the 1x2x256x64 space compiled in parallel first.
+cubin cache the variants of the 1x2x256x64 space compiled in parallel first.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib.util
 import multiprocessing
 import os
@@ -38,6 +44,15 @@ from fault_backend import (
     FaultInjectingFactory,
     compile_broken,
 )
+from fault_plans import (
+    FAULT_PLANS,
+    GOOD_PLAN,
+    PROBLEM,
+    STUDY_FAULTS,
+    by_key,
+    place_faults,
+    study_schedule,
+)
 from faulty_backend import live_children_of
 
 from db import PlanRegistry
@@ -48,47 +63,28 @@ from kernels.backends.pycuda_backend import DEFAULT_CACHE_DIR, launch_refused
 from tuner.app import _store_best
 from tuner.config import SearchConfig
 from tuner.costmodel import Prediction, predict
-from tuner.device import DeviceProfile
+from tuner.device import H200, DeviceProfile
 from tuner.environment import Environment
 from tuner.isolation import KILL_GRACE_S, IsolatedBackend
 from tuner.planner import candidate_space
 from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
 from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
-from tuner.problem import Problem
 from tuner.search import run_search
 from tuner.study_space import StudySpace
 
 pytestmark = pytest.mark.gpu
 
 CACHE_DIR = os.environ.get("FLASH_ATTENTION_TUNER_CUBIN_CACHE", DEFAULT_CACHE_DIR)
-PROBLEM = Problem(256, 64, batch=1, heads=2)
 TRIAL_TIMEOUT_S = 10.0
-#: the study's ten broken candidates: 2 RUNTIME_DEVICE, 1 TIMEOUT, 2 COMPILE,
-#: 2 RESOURCES, 3 WRONG_ANSWER
-STUDY_FAULTS = (
-    "illegal_address",
-    "compile_error",
-    "wrong_answer",
-    "too_many_threads",
-    "hang",
-    "nan",
-    "illegal_address",
-    "too_much_shared",
-    "wrong_answer",
-    "compile_error",
-)
 
 
 @dataclass(frozen=True)
 class Gpu:
     profile: DeviceProfile
     environment: Environment
-    predictions: dict[str, Prediction]
-    #: plans the compiler accepts, best predicted first: one split (can take source faults)
-    one_split: list[KernelPlan]
-    #: and the rest
-    others: list[KernelPlan]
+    #: the plans of PROBLEM the compiler accepts on this GPU, as a tune run keeps them
+    clean: list[KernelPlan]
     fault_cache_dir: Path
 
     def factory(self, faults: dict[str, str]) -> FaultInjectingFactory:
@@ -96,9 +92,8 @@ class Gpu:
             str(self.fault_cache_dir), faults, cache_dir=CACHE_DIR, repetitions=5, warmup=1
         )
 
-    def ranked(self, plans: list[KernelPlan]) -> list[KernelPlan]:
-        """In the search's enqueue order (best predicted first, then by key)."""
-        return sorted(plans, key=lambda p: (self.predictions[p.key()].time_ms, p.key()))
+    def plans(self, *keys: str) -> list[KernelPlan]:
+        return by_key(self.clean, keys)
 
     def compile_faults(self, faults: dict[str, str], plans: list[KernelPlan]) -> None:
         """The broken cubins built here, so the worker's measurement only loads them."""
@@ -130,16 +125,23 @@ def gpu(tmp_path_factory: pytest.TempPathFactory) -> Gpu:
     finally:
         probe.close()
     assert profile is not None
-    space = candidate_space(PROBLEM, profile)
     # As a tune run does: compile the space first and keep what the compiler accepts.
-    clean, _ = precompile(space.feasible, profile, CACHE_DIR)
-    predictions = {plan.key(): predict(plan, profile) for plan in clean}
-    gpu = Gpu(profile, environment, predictions, [], [], fault_cache)
-    for plan in gpu.ranked(clean):
-        one = plan.family == "tiled" and plan.sequence_splits == 1
-        (gpu.one_split if one else gpu.others).append(plan)
-    assert len(gpu.one_split) >= 30 and len(gpu.others) >= 30
-    return gpu
+    clean, _ = precompile(candidate_space(PROBLEM, profile).feasible, profile, CACHE_DIR)
+    # The schedule the CPU test compiled the broken sources for (on the configured H200
+    # profile) is the one this GPU gets: its limits accept the same plans.
+    configured, _ = precompile(candidate_space(PROBLEM, H200).feasible, H200, CACHE_DIR)
+    schedule = [p.key() for p in study_schedule(clean)]
+    assert schedule == [p.key() for p in study_schedule(configured)]
+    return Gpu(profile, environment, clean, fault_cache)
+
+
+def scheduled(order: list[KernelPlan], profile: DeviceProfile) -> dict[str, Prediction]:
+    """Predictions that put ``order`` first to last: the search enqueues by predicted time,
+    so the study meets the plans in the test's own schedule whatever the cost model ranks."""
+    return {
+        plan.key(): dataclasses.replace(predict(plan, profile), time_ms=float(position + 1))
+        for position, plan in enumerate(order)
+    }
 
 
 @pytest.fixture
@@ -215,10 +217,11 @@ def assert_measured_normally(result, what: str) -> None:
 def test_each_broken_kernel_ends_its_measurement_with_its_reason(
     gpu: Gpu, our_processes: set[int]
 ) -> None:
-    broken = gpu.one_split[: len(EXPECTED)]
-    faults = {plan.key(): fault for plan, fault in zip(broken, EXPECTED, strict=True)}
+    assert set(FAULT_PLANS) == set(EXPECTED)
+    broken = gpu.plans(*FAULT_PLANS.values())
+    faults = {key: fault for fault, key in FAULT_PLANS.items()}
     gpu.compile_faults(faults, broken)
-    good = gpu.others[0]
+    (good,) = gpu.plans(GOOD_PLAN)
     backend = IsolatedBackend(gpu.factory(faults), TRIAL_TIMEOUT_S)
     try:
         assert_measured_normally(backend.measure(good, PROBLEM), "before any fault")
@@ -250,36 +253,17 @@ def test_each_broken_kernel_ends_its_measurement_with_its_reason(
         backend.close()
 
 
-def place_faults(order: list[KernelPlan], faults: tuple[str, ...]) -> dict[str, str]:
-    """Spread ``faults`` over ``order`` (the trial order): never first or last, never two
-    in a row (so each is followed by a good candidate), source faults on one-split plans."""
-    placed: dict[str, str] = {}
-    taken: set[int] = set()
-    position = 2
-    for fault in faults:
-        while True:
-            assert position < len(order) - 1, "not enough room for the faults"
-            plan = order[position]
-            fits = fault in LAUNCH_FAULTS or (plan.family == "tiled" and plan.sequence_splits == 1)
-            if fits and not {position - 1, position + 1} & taken:
-                break
-            position += 1
-        placed[plan.key()] = fault
-        taken.add(position)
-        position += 3
-    return placed
-
-
 def test_a_study_of_60_with_10_broken_ends_with_50_measured_and_10_failed(
     gpu: Gpu, our_processes: set[int], tmp_path: Path
 ) -> None:
-    candidates = gpu.one_split[:30] + gpu.others[:30]
-    order = gpu.ranked(candidates)
+    order = study_schedule(gpu.clean)
+    candidates = list(order)
     faults = place_faults(order, STUDY_FAULTS)
     gpu.compile_faults(faults, candidates)
+    predictions = scheduled(order, gpu.profile)
     backend = IsolatedBackend(gpu.factory(faults), TRIAL_TIMEOUT_S)
     settings = SearchConfig(
-        sampler="tpe",  # its queue of all 60 in predicted order is the fault schedule
+        sampler="tpe",  # its queue of all 60, in the schedule's order, is the fault schedule
         n_trials=60,
         enqueue_top=60,
         traffic_cutoff=1e9,
@@ -301,7 +285,7 @@ def test_a_study_of_60_with_10_broken_ends_with_50_measured_and_10_failed(
             settings,
             storage=f"sqlite:///{tmp_path / 'study.sqlite'}",
             study_name="gpu-faults",
-            predictions={p.key(): gpu.predictions[p.key()] for p in candidates},
+            predictions=predictions,
             progress=note_worker,
         )
     finally:

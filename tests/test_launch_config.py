@@ -9,13 +9,13 @@ loads no pycuda.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from kernel_signatures import kernel_signatures
 
 from kernels import build
 from kernels.launch import (
@@ -64,41 +64,6 @@ PROBLEMS = [
     Problem(7, 64, heads=4, causal=True, dtype="float16", kv_heads=1, kv_len=300),
     Problem(100, 32, heads=4, causal=True, kv_heads=2, kv_len=250),
 ]
-#: elem_t is the half-precision family's 16-bit element type (bf16 or fp16)
-C_TYPES = {
-    "float*": np.uintp,
-    "elem_t*": np.uintp,
-    "int": np.int32,
-    "float": np.float32,
-    "CUtensorMap": TensorMap,
-}
-
-
-def kernel_signatures() -> dict[str, list[type]]:
-    """Parameter types of every ``extern "C" __global__`` function in the kernel sources."""
-    signatures: dict[str, list[type]] = {}
-    pattern = re.compile(
-        r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)'
-    )
-    for family in build.SOURCES:
-        text = build.source_path(family).read_text()
-        for name, params in pattern.findall(text):
-            types = []
-            for param in params.split(","):
-                words = (
-                    param.replace("__restrict__", "")
-                    .replace("__grid_constant__", "")
-                    .replace("const", "")
-                    .split()
-                )
-                c_type = " ".join(words[:-1]).replace(" *", "*")
-                if words[-1].startswith("*"):
-                    c_type += "*"
-                types.append(C_TYPES[c_type])
-            signatures[name] = types
-    return signatures
-
-
 def all_plans() -> list[KernelPlan]:
     plans: list[KernelPlan] = []
     for problem in PROBLEMS:

@@ -625,3 +625,26 @@ def test_a_0003_database_with_a_row_upgrades_to_the_head_as_self_attention(tmp_p
         # the self-attention row is untouched by the KV-cache row beside it
         best = registry.best(Problem(4096, 128), h200_0001)
         assert best is not None and best.record.median_ms == 0.8125
+
+
+def test_the_same_trial_s_result_is_stored_once(tmp_path) -> None:
+    """A rerun of a finished study stores its best again: one result, one row."""
+    url = f"sqlite:///{tmp_path / 'plans.sqlite'}"
+    problem, environment = Problem(1024, 64), Environment("NVIDIA H200", "9.0", 132)
+    trial = PlanRecord(
+        "tiled", {"tile_size": 32}, "h", True, median_ms=0.5, study_name="s", trial_number=3
+    )
+    with PlanRegistry.open(url) as registry:
+        first = registry.record(problem, environment, trial)
+        again = registry.record(problem, environment, trial)
+        assert again.status is RecordStatus.ALREADY_STORED
+        assert again.plan_id == first.plan_id == again.best_plan_id
+        # Another trial with equal numbers, and a record naming no trial, are new rows.
+        other = replace(trial, trial_number=4)
+        assert registry.record(problem, environment, other).status is not (
+            RecordStatus.ALREADY_STORED
+        )
+        anonymous = replace(trial, study_name=None, trial_number=None)
+        registry.record(problem, environment, anonymous)
+        registry.record(problem, environment, anonymous)
+        assert len(registry.history(limit=None)) == 4

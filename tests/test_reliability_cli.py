@@ -73,6 +73,15 @@ def _replay_files(workdir: Path) -> None:
     (workdir / "other.json").write_text('{"recordings": []}\n')
 
 
+def _other_stores(workdir: Path) -> None:
+    shutil.copy(workdir / "r.sqlite", workdir / "another_registry.sqlite")
+    shutil.copy(workdir / "s.sqlite", workdir / "another_study.sqlite")
+    (workdir / "truncated.sqlite").write_bytes((workdir / "r.sqlite").read_bytes()[:3000])
+
+
+RECORDING_FLOAT32 = ROOT / "bench" / "data" / "h200_1x1x4096x128.json"
+
+
 @dataclass(frozen=True)
 class Case:
     #: overrides after BASE; ``{dir}`` is the case's directory
@@ -189,6 +198,31 @@ CASES: dict[str, Case] = {
         ("search.storage=sqlite:///{dir}/plain.txt/s.sqlite",),
         _plain_file,
     ),
+    "study storage that is a plan registry": Case(
+        ("search.storage=sqlite:///{dir}/another_registry.sqlite",),
+        ("search.storage=sqlite:///{dir}/another_registry.sqlite", "is a plan registry"),
+        _other_stores,
+    ),
+    "registry that is a study storage": Case(
+        ("registry.url=sqlite:///{dir}/another_study.sqlite",),
+        ("{dir}/another_study.sqlite is an Optuna study storage",),
+        _other_stores,
+    ),
+    "registry truncated": Case(
+        ("registry.url=sqlite:///{dir}/truncated.sqlite",),
+        ("{dir}/truncated.sqlite is not a readable plan registry",),
+        _other_stores,
+    ),
+    "replay of another dtype": Case(
+        (
+            "seq_len=4096",
+            "head_dim=128",
+            "dtype=bfloat16",
+            "backend=replay",
+            f"backend.replay_path={RECORDING_FLOAT32}",
+        ),
+        ("in float32, but the problem asks for dtype=bfloat16", "replay it with dtype=float32"),
+    ),
     "study storage that is not a database": Case(
         ("search.storage=sqlite:///{dir}/plain.txt",),
         ("search.storage=sqlite:///{dir}/plain.txt cannot be opened", "not a database"),
@@ -262,10 +296,11 @@ def snapshot(workdir: Path) -> dict[str, object]:
         if path.name.endswith(("-wal", "-shm", "-journal")):
             continue
         head = path.read_bytes()[: len(SQLITE_MAGIC)]
-        if head == SQLITE_MAGIC:
-            state[str(relative)] = table_counts(path)
-        else:
-            state[str(relative)] = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:
+            state[str(relative)] = table_counts(path) if head == SQLITE_MAGIC else digest
+        except sqlite3.DatabaseError:  # a damaged database (a case's own): by content
+            state[str(relative)] = digest
     return state
 
 
@@ -345,6 +380,9 @@ def test_bad_input_writes_nothing(name: str, outcomes: dict[str, Outcome]) -> No
     outcome = outcomes[name]
     assert outcome.done.returncode != 0
     assert outcome.after == outcome.before
+    # Nor a -wal/-shm beside a database it refused, nor a run directory.
+    made = [p.name for p in outcome.workdir.iterdir() if p.name.endswith(("-wal", "-shm"))]
+    assert made == [] and not (outcome.workdir / "run").exists()
 
 
 def test_a_missing_directory_is_created_for_the_registry_and_study(tmp_path: Path) -> None:

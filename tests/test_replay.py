@@ -285,3 +285,47 @@ def test_auto_falls_back_to_the_model_with_the_reason(monkeypatch):
         "backend: pycuda (auto: CUDA device 0 answers) - results are GPU timings, "
         "stored as measured"
     )
+
+
+def test_a_recording_of_another_dtype_is_one_error_naming_both() -> None:
+    float32 = ReplayBackend(ROOT / "bench" / "data" / "h200_1x1x4096x128.json")
+    with pytest.raises(BackendError) as caught:
+        float32.recording_for(Problem(4096, 128, dtype="bfloat16"))
+    assert str(caught.value).endswith(
+        "records 1x1x4096x128 in float32, but the problem asks for dtype=bfloat16: "
+        "replay it with dtype=float32"
+    )
+    tf32 = ReplayBackend(ROOT / "bench" / "data" / "h200_mma_tf32_1x1x4096x128_tf32.json")
+    with pytest.raises(BackendError) as caught:
+        tf32.recording_for(Problem(4096, 128, dtype="float32"))
+    assert str(caught.value).endswith(
+        "records 1x1x4096x128 in float32-tf32, but the problem asks for dtype=float32: "
+        "replay it with dtype=float32 precision=tf32"
+    )
+    with pytest.raises(BackendError, match=r"has no recording of 1x1x2048x128 float32 full"):
+        float32.recording_for(Problem(2048, 128))  # another shape: the list of what it holds
+
+
+def test_the_readme_s_replay_example_runs_from_a_checkout(tmp_path: Path) -> None:
+    (example,) = [
+        line.split("#")[0].split()
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("python -m tuner ") and "backend=replay" in line
+    ]
+    assert example[:3] == ["python", "-m", "tuner"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            *example[1:],
+            "search.n_trials=2",
+            f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
+            f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "replayed, stored as predicted" in done.stdout

@@ -398,7 +398,7 @@ def test_ctrl_c_reaches_every_worker_and_the_best_so_far_is_stored(tmp_path):
             process.kill()
             process.wait()
     assert process.returncode == 130, stderr
-    assert "interrupted: the study keeps its finished trials" in stdout
+    assert "interrupted (Ctrl-C): the study keeps its finished trials" in stdout
     assert "stopped: interrupted (Ctrl-C)" in stdout and "registry: best so far " in stdout
     assert "died" not in stdout and "Traceback" not in stderr
     owners = {

@@ -64,7 +64,8 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from tuner import run_directory
+from tuner import run_directory, termination
+from tuner.broken_pipe import quiet_exit_status
 from tuner.config import (
     ValidatedConfig,
     allowed_values,
@@ -77,6 +78,7 @@ from tuner.config import (
 from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
 from tuner.sweeps import JobFailed, in_launcher_process, job_overrides, mark_main_process, restore
+from tuner.termination import sigterm_as_ctrl_c
 
 #: ``tuner/conf``, shipped inside the package (package data), made absolute: Hydra resolves a
 #: relative path against the file only when this module runs as ``__main__``; imported (a
@@ -89,6 +91,8 @@ _job_statuses: list[int] = []
 _tracebacks_wanted = False
 #: jobs this process started (an error before the first is Hydra's set-up or the launcher's)
 _jobs_started = 0
+#: the sweep directories of the jobs run here: removed at the end if no job used them
+_sweep_directories: set[Path] = set()
 #: packages whose errors are a sweep launcher's (its scheduler missing, ...), not the tuner's
 _LAUNCHER_PACKAGES = ("submitit", "hydra_plugins", "joblib")
 
@@ -111,10 +115,17 @@ def run_job(cfg: DictConfig) -> int:
             raise
         report(str(error))
         status = 1
+    except BrokenPipeError:
+        # The reader of stdout went away (``| head -1``): quiet, as a Unix tool.
+        status = quiet_exit_status()
+        refused = False
     finally:
         job = run_directory.current()
         if job is not None:
             run_directory.remove_if_unused(*job, failed=refused)
+        sweep = run_directory.current_sweep()
+        if sweep is not None and not in_launcher_process():
+            _sweep_directories.add(sweep.resolve())
     _job_statuses.append(status)
     if status != 0 and in_launcher_process():
         raise JobFailed(status, job_overrides())
@@ -147,7 +158,8 @@ def main() -> int:
     os.environ[_FULL_ERROR] = "1"
     main_pid = mark_main_process()
     try:
-        run_job()
+        with sigterm_as_ctrl_c():
+            run_job()
     except JobFailed as failed:
         return max([failed.status, *_job_statuses])
     except (HydraException, OmegaConfBaseException) as error:
@@ -156,8 +168,10 @@ def main() -> int:
         report(describe_composition_error(error, sys.argv[1:]))
         return 1
     except KeyboardInterrupt:
-        report("interrupted")
-        return 130
+        report(f"interrupted ({termination.cause()})")
+        return termination.exit_status()
+    except BrokenPipeError:
+        return quiet_exit_status()
     except OSError as error:
         # Before any job: Hydra could not create the run directory or its log, or
         # the working directory is gone. Inside a job an OSError is a bug.
@@ -171,6 +185,9 @@ def main() -> int:
         report(describe_launcher_error(error, sys.argv[1:]))
         return 1
     finally:
+        for sweep in _sweep_directories:
+            run_directory.remove_sweep_if_unused(sweep)
+        _sweep_directories.clear()
         restore(main_pid)
         if previous is None:
             os.environ.pop(_FULL_ERROR, None)

@@ -15,7 +15,8 @@
 
 Ctrl-C during the search ends it cleanly: finished trials stay in the study,
 the best so far is printed and stored (the output says so), measurement
-workers are stopped, and the exit status is 130. A worker process that failed
+workers are stopped, and the exit status is 130. SIGTERM does the same and
+exits 143 (``tuner.termination``). A worker process that failed
 or died is named in one line each, and the exit status is then 1 (the best of
 the study is stored all the same). Every run-level problem is a
 ``TunerError`` (one line at the CLI); failures of single candidates are values.
@@ -37,7 +38,8 @@ from tqdm import tqdm
 
 from db import PlanRecord, PlanRegistry, RecordStatus
 from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
-from tuner import plots, report
+from kernels.backends.model import MODEL_GPU_NAME
+from tuner import plots, report, termination
 from tuner.config import ValidatedConfig, space_axes_from
 from tuner.costmodel import predict
 from tuner.data_dir import default_registry_url
@@ -60,19 +62,20 @@ from tuner.study_storage import storage_url as display_url
 from tuner.trials import SearchResult, TrialOutcome
 from tuner.workers import IsolatedFactory, WorkerJob, plan_gpus, search_with_workers
 
-EXIT_INTERRUPTED = 130
 TOP_ROWS = 5
 _STATUS_WORDS = {
     RecordStatus.STORED_NEW_BEST: "the first plan of this problem and environment",
     RecordStatus.REPLACED_BEST: "replaces the previous best",
     RecordStatus.KEPT_PREVIOUS_BEST: "kept as history; the previous best stays",
+    RecordStatus.ALREADY_STORED: "already stored by an earlier run of this study; nothing added",
 }
 
 
 def run(
     validated: ValidatedConfig, *, output_dir: str | Path | None = None, out: TextIO | None = None
 ) -> int:
-    """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored)."""
+    """Tune ``validated.problem``; 0 when done, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted
+    (the best so far stored)."""
     out = out or sys.stdout
     config, problem = validated.config, validated.problem
     registry_url = config.registry.url or default_registry_url()  # validate() resolved it
@@ -113,9 +116,15 @@ def run(
             grace_period_s=config.search.grace_period_s,
         )
         shown = display_url(storage)  # a server's password stays off the terminal
+        # The viewer is an optional extra: named where it is installed, as what it is.
+        viewer = (
+            f"; browse it with optuna-dashboard {shown}"
+            if importlib.util.find_spec("optuna_dashboard") is not None
+            else ""
+        )
         say(
             f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
-            f"{len(rejected)} rejected; optuna-dashboard {shown} shows it)"
+            f"{len(rejected)} rejected{viewer})"
         )
         done = _trials_done(storage, name)
         if done is not None:
@@ -166,14 +175,17 @@ def run(
     for line in failures:
         say(line)
     if result.interrupted:
-        say("interrupted: the study keeps its finished trials; the best so far follows")
+        say(
+            f"interrupted ({termination.cause()}): the study keeps its finished trials; "
+            "the best so far follows"
+        )
     say(report.best_table(result, TOP_ROWS))
     for line in report.summary_lines(result):
         say(line)
     say(_store_best(result, problem, environment, hashes, registry_url, replayed=variant != ""))
     say(_write_plots(result, problem, output_dir))
     if result.interrupted:
-        return EXIT_INTERRUPTED
+        return termination.exit_status()
     return 1 if failures else 0
 
 
@@ -360,10 +372,16 @@ def _store_best(
         else "predicted"
     )
     so_far = "best so far " if result.interrupted else ""
-    return (
+    line = (
         f"registry: {so_far}{best.key} ({best.median_ms:.4f} ms, {kind}) stored in {where} "
         f"for {problem.label()} on {environment.gpu_name}: {_STATUS_WORDS[outcome.status]}"
     )
+    if environment.gpu_name == MODEL_GPU_NAME:
+        line += (
+            f" (GPU name {MODEL_GPU_NAME!r}: a plan tuned without a GPU is never served on one; "
+            "kernels.attention there asks for its own GPU's plans)"
+        )
+    return line
 
 
 def plan_record(
@@ -406,7 +424,10 @@ def _write_plots(result: SearchResult, problem: Problem, output_dir: str | Path 
     written = plots.write_plots(result, directory, problem.label())
     if not written:
         return "plots: none (no candidate produced a time)"
-    return f"plots: {', '.join(p.name for p in written)} in {directory}"
+    line = f"plots: {', '.join(p.name for p in written)} in {directory}"
+    if not any(trial.measured for trial in result.trials):
+        line += " (predicted times: without GPU timings no heatmap or predicted-vs-measured plot)"
+    return line
 
 
 def _hydra_run_directory() -> Path | None:

@@ -58,11 +58,13 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
 from optuna.storages import fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import bindparam, text
 
 from tuner.trials import COUNTED_OUTCOMES
 
@@ -220,7 +222,62 @@ def acquire(
 
 
 def fail_stale(study: optuna.Study) -> None:
-    """Fail (and queue retries of) trials whose heartbeat stopped, as Optuna does per trial."""
+    """Fail (and queue retries of) trials whose heartbeat stopped, as Optuna does per trial,
+    and trials that never recorded one (``fail_silent``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         fail_stale_trials(study)
+        fail_silent(study)
+
+
+def fail_silent(study: optuna.Study) -> list[int]:
+    """Fail RUNNING trials that never recorded a heartbeat and started longer ago than the
+    grace period; returns their numbers.
+
+    Optuna's check looks only at trials with a heartbeat row. A worker killed between
+    ``study.ask()`` and its heartbeat thread's first beat (milliseconds) leaves a trial
+    with none, which it would keep RUNNING forever. Such a trial never reached the
+    objective (the heartbeat starts first), so it measured nothing; it is failed and
+    queued again as a stale one would be.
+    """
+    storage = study._storage
+    # A study's storage is Optuna's cache in front of the RDB storage that has the settings.
+    rdb = getattr(storage, "_backend", storage)
+    interval = getattr(rdb, "heartbeat_interval", None)
+    engine = getattr(rdb, "engine", None)
+    if interval is None or engine is None:
+        return []
+    grace = timedelta(seconds=getattr(rdb, "grace_period", None) or 2 * interval)
+    # Optuna stamps datetime_start with the writing host's local clock, as this is.
+    now = datetime.now()
+    old = {
+        trial._trial_id: trial
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if trial.datetime_start is not None and now - trial.datetime_start > grace
+    }
+    if not old:
+        return []
+    with engine.connect() as connection:
+        beating = {
+            row[0]
+            for row in connection.execute(
+                text("SELECT trial_id FROM trial_heartbeats WHERE trial_id IN :ids").bindparams(
+                    bindparam("ids", expanding=True)
+                ),
+                {"ids": list(old)},
+            )
+        }
+    failed = []
+    callback = storage.get_heartbeat_stale_trial_callback()
+    for trial_id, trial in old.items():
+        if trial_id in beating:
+            continue  # Optuna's own check judges it by its heartbeat
+        try:
+            if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker failed it first
+        failed.append(trial.number)
+        if callback is not None:
+            callback(study, storage.get_trial(trial_id))
+    return failed

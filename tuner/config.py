@@ -206,12 +206,12 @@ def _optional_int_in(low: int, high: int, null_means: str) -> Rule:
     )
 
 
-def _number_above(low: float, *, optional: bool = False) -> Rule:
+def number_above(low: float, *, optional: bool = False) -> Rule:
     allowed = f"a number > {low:g}" + (" or null" if optional else "")
     return Rule(allowed, lambda v: (optional and v is None) or (_is_number(v) and v > low))
 
 
-def _number_at_least(low: float) -> Rule:
+def number_at_least(low: float) -> Rule:
     return Rule(f"a number >= {low:g}", lambda v: _is_number(v) and v >= low)
 
 
@@ -311,15 +311,15 @@ RULES: dict[str, Rule] = {
     "workers": _workers(),
     "search.sampler": _one_of(SAMPLERS),
     "search.n_trials": _int_in(1),
-    "search.timeout_s": _number_above(0, optional=True),
+    "search.timeout_s": number_above(0, optional=True),
     # numpy's and Optuna's samplers take seeds in 0..2**32-1.
     "search.seed": _int_in(0, U32_MAX),
     "search.storage": _url(optional=True),
     "search.study_name": _text(optional=True),
     "search.enqueue_top": _int_in(0),
     # Below 1 the cut-off would discard the best candidate itself.
-    "search.traffic_cutoff": _number_at_least(1),
-    "search.trial_timeout_s": _number_above(0),
+    "search.traffic_cutoff": number_at_least(1),
+    "search.trial_timeout_s": number_above(0),
     "search.heartbeat_interval_s": _int_in(1),
     "search.grace_period_s": Rule(
         "an integer >= 1 or null", lambda v: v is None or (_is_int(v) and v >= 1)
@@ -349,7 +349,7 @@ RULES: dict[str, Rule] = {
     # A device may reserve no shared memory per block; every other limit is a positive count.
     "device.reserved_shared_memory_per_block": _int_in(0),
     **{
-        f"device.{f.name}": _int_in(1) if f.type == "int" else _number_above(0)
+        f"device.{f.name}": _int_in(1) if f.type == "int" else number_above(0)
         for f in fields(DeviceConfig)
         if f.type in ("int", "float") and f.name != "reserved_shared_memory_per_block"
     },
@@ -497,6 +497,21 @@ def _lookup(raw: dict[str, Any], key: str) -> Any:
 
 def problem_from(config: TunerConfig) -> Problem:
     """The attention problem of ``config``; ``ConfigError`` names a bad shape value."""
+    return checked_problem(**{key: getattr(config, key) for key in _SHAPE_KEYS})
+
+
+def checked_problem(**shape: Any) -> Problem:
+    """The problem of the shape keys' values (``seq_len=...``, the config's names; a
+    missing key takes the schema's default), checked as a run's config is checked:
+    ``ConfigError`` names the first bad value. Also what ``python -m db import`` holds
+    every exported problem to: a row no tuner run could have made is refused."""
+    unknown = set(shape) - set(_SHAPE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{sorted(unknown)[0]} is not a problem key; allowed: {', '.join(_SHAPE_KEYS)}"
+        )
+    defaults = {f.name: f.default for f in fields(TunerConfig) if f.name in _SHAPE_KEYS}
+    config = _ShapeValues(**(defaults | shape))
     for key in _SHAPE_KEYS:
         _check(key, getattr(config, key))
     if config.precision is not None and config.dtype != "float32":
@@ -542,6 +557,19 @@ def problem_from(config: TunerConfig) -> Problem:
         kv_len=kv_len,
         precision=config.precision or "",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _ShapeValues:
+    seq_len: Any
+    head_dim: Any
+    batch: Any
+    heads: Any
+    causal: Any
+    dtype: Any
+    kv_heads: Any
+    kv_len: Any
+    precision: Any
 
 
 def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:

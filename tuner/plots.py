@@ -1,14 +1,19 @@
 """PNG plots of a study, written into the run directory.
 
-* ``search_history.png``: each timed trial's median, and the running best.
-* ``tile_rows_heatmap.png``: the best time per cell of two tunables (the
-  family's ``heatmap_axes``, those that set reuse and shared memory) of the
-  family with the most timed trials among those that name them.
+* ``search_history.png``: each timed trial's median, and the running best
+  (predicted times, labelled so, on a machine without a GPU).
+* ``<family>_heatmap.png``: the best measured time per cell of two tunables (the
+  family's ``heatmap_axes``: ``tile_size`` x ``rows_per_block`` for ``tiled``,
+  ``block_n`` x ``block_m`` for the mma families, ...) of the family with the most
+  timed trials among those that name them; only with GPU timings and at least two
+  values on each axis.
 * ``predicted_vs_measured.png``: the cost model's prediction against the
-  timing, log-log, with the line of perfect prediction and Spearman's rho.
+  timing, log-log, with the line of perfect prediction and Spearman's rho; only
+  with GPU timings (without them the "timings" are the predictions themselves).
 
-matplotlib is optional (the ``plots`` and ``test`` extras): ``available()``
-says whether it imports. Figures are built with the object API
+A plot that would carry no information is left out (``write_plots`` returns
+what it wrote). matplotlib is optional (the ``plots`` and ``test`` extras):
+``available()`` says whether it imports. Figures are built with the object API
 (``matplotlib.figure.Figure``), so no GUI backend or global pyplot state is
 involved.
 """
@@ -37,9 +42,11 @@ def write_plots(result: SearchResult, directory: Path, title: str) -> list[Path]
     """Write every plot that has data into ``directory``; the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
+    chosen = _heatmap_family(result)
+    heatmap_name = f"{chosen[0]}_heatmap.png" if chosen else "heatmap.png"
     for name, figure in (
         ("search_history.png", history_figure(result, title)),
-        ("tile_rows_heatmap.png", heatmap_figure(result, title)),
+        (heatmap_name, heatmap_figure(result, title)),
         ("predicted_vs_measured.png", prediction_figure(result, title)),
     ):
         if figure is not None:
@@ -107,7 +114,7 @@ def heatmap_figure(result: SearchResult, title: str) -> Figure | None:
     family, (x_name, y_name) = chosen
     best: dict[tuple[int, int], float] = {}
     for trial in result.ranked():
-        if trial.params.get("family") != family:
+        if trial.params.get("family") != family or not trial.measured:
             continue
         cell = (int(trial.params[x_name]), int(trial.params[y_name]))
         best[cell] = min(best.get(cell, math.inf), trial.median_ms)  # type: ignore[arg-type]
@@ -115,6 +122,8 @@ def heatmap_figure(result: SearchResult, title: str) -> Figure | None:
         return None
     tiles = sorted({tile for tile, _ in best})
     rows = sorted({row for _, row in best})
+    if len(tiles) < 2 or len(rows) < 2:
+        return None  # a line or a point: the table says as much
     grid = [[best.get((tile, row), math.nan) for tile in tiles] for row in rows]
     figure = _figure()
     axes = figure.subplots()
@@ -130,16 +139,17 @@ def heatmap_figure(result: SearchResult, title: str) -> Figure | None:
                 axes.text(x, y, f"{value:.3g}", ha="center", va="center", color=color, fontsize=8)
     axes.set_xlabel(x_name)
     axes.set_ylabel(y_name)
-    axes.set_title(f"best {_kind(result.ranked())} ms per cell ({family}): {title}")
+    axes.set_title(f"best measured ms per cell ({family}): {title}")
     figure.colorbar(image, ax=axes, label="ms")
     return figure
 
 
 def prediction_figure(result: SearchResult, title: str) -> Figure | None:
+    # Only GPU timings: without them a trial's time is its prediction, a plot of a line.
     pairs = [
         (t.predicted_ms, t.median_ms, t.params.get("family", ""))
         for t in result.ranked()
-        if t.predicted_ms is not None and t.median_ms is not None
+        if t.measured and t.predicted_ms is not None and t.median_ms is not None
     ]
     if len(pairs) < 2:
         return None
@@ -154,9 +164,9 @@ def prediction_figure(result: SearchResult, title: str) -> Figure | None:
     axes.set_xscale("log")
     axes.set_yscale("log")
     axes.set_xlabel("predicted ms (cost model)")
-    axes.set_ylabel(f"{_kind(result.ranked())} ms")
+    axes.set_ylabel("measured ms")
     rho = model_rank_correlation(result.ranked())
-    note = f", Spearman rho {rho:.2f}" if rho is not None else " (no GPU timings)"
+    note = f", Spearman rho {rho:.2f}" if rho is not None else ""
     axes.set_title(f"predicted vs measured{note}: {title}")
     axes.legend()
     return figure

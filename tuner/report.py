@@ -32,11 +32,14 @@ def best_table(result: SearchResult, top: int = 5) -> str:
 
 
 def _row(rank: int, trial: TrialOutcome) -> list[str]:
+    # Without a GPU a trial's "median" is the cost model's prediction: it is shown once,
+    # under predicted ms, not again as if it had been timed.
+    timed = trial.measured
     return [
         str(rank),
         trial.key,
-        _number(trial.median_ms, 4),
-        _number(trial.spread_ms, 4),
+        _number(trial.median_ms if timed else None, 4),
+        _number(trial.spread_ms if timed else None, 4),
         _number(trial.tflops, 2),
         _number(trial.gbps, 0),
         _scientific(trial.max_abs_error),

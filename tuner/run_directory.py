@@ -5,7 +5,10 @@ the job's log file) before the job starts, so a run refused for a bad value,
 or one that only prints (``mode=plan``), would leave a directory of nothing
 behind. ``remove_if_unused`` takes it away again when it holds nothing but
 those (the log empty, unless the run was refused), and the parents it leaves
-empty, up to (never including) the working directory.
+empty, up to (never including) the working directory. A sweep (``-m``) has a
+directory of its own above its jobs' (``multirun/DATE/TIME/``, with Hydra's
+``multirun.yaml``): ``remove_sweep_if_unused`` takes it away once every job's
+has gone (``-m seq_len=1024,-5 mode=plan``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shutil
 from pathlib import Path
 
 HYDRA_SUBDIR = ".hydra"
+SWEEP_RECORD = "multirun.yaml"
 
 
 def current() -> tuple[Path, str] | None:
@@ -26,6 +30,33 @@ def current() -> tuple[Path, str] | None:
     except (ImportError, ValueError):  # ValueError: no Hydra job is running
         return None
     return Path(config.runtime.output_dir), f"{config.job.name}.log"
+
+
+def current_sweep() -> Path | None:
+    """The sweep directory of the multirun job running now, or None (not a sweep)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        config = HydraConfig.get()
+    except (ImportError, ValueError):
+        return None
+    if config.mode != RunMode.MULTIRUN:
+        return None
+    return Path(config.sweep.dir)
+
+
+def remove_sweep_if_unused(directory: Path) -> bool:
+    """Remove a sweep directory that holds nothing but Hydra's ``multirun.yaml``; True if so."""
+    try:
+        if {entry.name for entry in directory.iterdir()} - {SWEEP_RECORD}:
+            return False
+        (directory / SWEEP_RECORD).unlink(missing_ok=True)
+        directory.rmdir()
+    except OSError:
+        return False
+    _remove_empty_parents(directory.parent)
+    return True
 
 
 def remove_if_unused(directory: Path, log_name: str, *, failed: bool = False) -> bool:

@@ -76,7 +76,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from kernels.backends.base import Backend, Measurement
-from tuner import claims
+from tuner import claims, termination
 from tuner.config import SearchConfig
 from tuner.costmodel import Prediction
 from tuner.errors import ConfigError, TunerError
@@ -381,7 +381,7 @@ class _Search:
         if self.progress is not None:
             self.progress(outcome)
         if self.stop_requested:
-            self.stop_reason = "interrupted (Ctrl-C)"
+            self.stop_reason = f"interrupted ({termination.cause()})"
         elif self.remaining() <= 0:
             self.stop_reason = f"n_trials={self.settings.n_trials} reached"
         elif outcome.outcome == "interrupted":  # a deadline while waiting for a slot
@@ -518,6 +518,8 @@ def run_search(
             ),
             load_if_exists=True,
         )
+        # Trials of a killed run: failed (and queued again) before anything is counted.
+        claims.fail_stale(study)
         search = _Search(space, backend, settings, predictions, study, progress)
         result = _empty_result(search, study_name, storage)
         search.stop_reason = _nothing_left(search)
@@ -540,7 +542,7 @@ def run_search(
                     )
             except KeyboardInterrupt:
                 search.stop_requested = True
-                search.stop_reason = "interrupted (Ctrl-C)"
+                search.stop_reason = f"interrupted ({termination.cause()})"
                 _fail_running(study, search.new_trials)
             result.interrupted = search.stop_requested
             if not search.stop_reason and settings.timeout_s is not None:
@@ -569,6 +571,7 @@ def prepare_study(
         study = optuna.create_study(
             storage=storage, study_name=study_name, direction="minimize", load_if_exists=True
         )
+        claims.fail_stale(study)
         search = _Search(space, _NoBackend(), settings, predictions, study, None)
         result = _empty_result(search, study_name, storage)
         result.stop_reason = _nothing_left(search)

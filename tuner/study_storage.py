@@ -49,6 +49,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from tuner.database_errors import database_message, missing_driver
+from tuner.database_kinds import REGISTRY, kind_of, sqlite_tables
 from tuner.errors import ConfigError
 
 #: seconds between heartbeats of a running trial
@@ -120,6 +121,7 @@ def _open_storage(
     max_retry: int,
     sqlite_begin: str,
 ) -> RDBStorage:
+    _refuse_a_registry(url)
     backend = _backend_name(url)
     if backend == "sqlite":
         database = url.removeprefix("sqlite:///")
@@ -170,6 +172,48 @@ def _open_storage(
     assert error is not None  # the loop returns or records why it could not
     message = missing_driver(url, error) or database_message(error)
     raise ConfigError(f"search.storage={_shown(url)} cannot be opened: {message}") from error
+
+
+def _refuse_a_registry(url: str) -> None:
+    """``ConfigError`` when ``url`` holds the plan registry's tables: Optuna would add its
+    own to them (its ``alembic_version`` row clashing with the registry's)."""
+    if _backend_name(url) == "sqlite":
+        database = make_url(url).database
+        if not database or database == ":memory:" or database.startswith("file:"):
+            return
+        tables = sqlite_tables(Path(database).expanduser())
+    else:
+        tables = _server_tables(url)
+    if tables is not None and kind_of(tables) == REGISTRY:
+        raise ConfigError(
+            f"search.storage={_shown(url)} is invalid: it is a plan registry (tables plans, "
+            "best_plans), not an Optuna study storage; give the study a database of its own "
+            "(default: studies.sqlite beside the registry)"
+        )
+
+
+def _server_tables(url: str) -> set[str] | None:
+    """The table names of a server database; None when it cannot be asked (RDBStorage
+    then reports why in its own words)."""
+    from sqlalchemy import create_engine, inspect
+
+    try:
+        engine = create_engine(url, connect_args=_connect_args(url))
+    except Exception:  # a driver missing, a malformed URL: reported by the open itself
+        return None
+    try:
+        with engine.connect() as connection:
+            return set(inspect(connection).get_table_names())
+    except Exception:  # unreachable, refused: the same
+        return None
+    finally:
+        engine.dispose()
+
+
+def _connect_args(url: str) -> dict[str, Any]:
+    if _backend_name(url) == "postgresql" and "connect_timeout" not in url:
+        return {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return {}
 
 
 def storage_url(storage: BaseStorage) -> str:

@@ -51,11 +51,17 @@ class TrialOutcome:
         attrs = trial.user_attrs
         predicted = attrs.get("predicted", {})
         timing = attrs.get("timing", {})
-        default = "interrupted" if trial.state.is_finished() else "running"
+        # A trial still RUNNING has not counted yet, whatever it wrote: its worker may
+        # have been killed between writing its outcome and finishing it (the heartbeat
+        # check then fails it, and it runs again).
+        if trial.state.is_finished():
+            outcome = str(attrs.get("outcome", "interrupted"))
+        else:
+            outcome = "running"
         return cls(
             number=trial.number,
             state=trial.state.name,
-            outcome=str(attrs.get("outcome", default)),
+            outcome=outcome,
             key=str(attrs.get("plan_key", "")),
             params=dict(attrs.get("params", {})),
             predicted_ms=predicted.get("ms"),
@@ -71,7 +77,6 @@ class TrialOutcome:
             detail=str(attrs.get("detail", "")),
             duplicate_of=attrs.get("duplicate_of"),
         )
-
 
 
 @dataclass

@@ -47,6 +47,7 @@ from typing import Any
 from optuna.storages import BaseStorage
 
 from kernels.backends import Backend, BackendFactory
+from tuner import termination
 from tuner.config import SearchConfig
 from tuner.costmodel import Prediction
 from tuner.errors import BackendError, TunerError
@@ -491,5 +492,5 @@ def search_with_workers(
     if outcome is not None and result.counted >= n_trials:
         result.stop_reason = f"n_trials={n_trials} reached"
     if result.interrupted:
-        result.stop_reason = "interrupted (Ctrl-C)"
+        result.stop_reason = f"interrupted ({termination.cause()})"
     return result, outcome

@@ -40,6 +40,7 @@ was rejected on the recording machine or lies outside the recorded space).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -250,12 +251,23 @@ class ReplayBackend(Backend):
     def recording_for(self, problem: Problem) -> Recording:
         """The recording of ``problem``; ``BackendError`` (a run-level error) if none."""
         recording = self._by_problem.get(problem)
-        if recording is None:
-            held = "; ".join(p.label() for p in self._by_problem)
-            raise BackendError(
-                f"replay file {self.path} has no recording of {problem.label()} (it holds: {held})"
-            )
-        return recording
+        if recording is not None:
+            return recording
+        for held in self._by_problem:
+            other = dataclasses.replace(problem, dtype=held.dtype, precision=held.precision)
+            if other == held:
+                # Same shape, another element type: the commonest slip (the tuner's default
+                # dtype is bfloat16; many recordings are float32).
+                asked = f"dtype={problem.dtype}" + (" precision=tf32" if problem.fast_tf32 else "")
+                fix = f"dtype={held.dtype}" + (" precision=tf32" if held.fast_tf32 else "")
+                raise BackendError(
+                    f"replay file {self.path} records {held.shape_text()} in {held.dtype_label}, "
+                    f"but the problem asks for {asked}: replay it with {fix}"
+                )
+        listed = "; ".join(p.label() for p in self._by_problem)
+        raise BackendError(
+            f"replay file {self.path} has no recording of {problem.label()} (it holds: {listed})"
+        )
 
     @property
     def measured(self) -> bool:

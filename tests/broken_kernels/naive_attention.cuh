@@ -11,6 +11,13 @@
 //
 // One thread per query row, online softmax in the log2 domain as the real
 // kernels: without a FAULT_* macro it passes the parity check (the control).
+//
+// The parameter list must be kernels/tiled.cu's, type for type: the backend
+// packs the real kernel's arguments, and a kernel declaring fewer parameters
+// than the bytes it is handed is refused at launch with "too many resources
+// requested for launch" (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many
+// arguments), whatever the fault. tests/test_reliability_faults.py compares
+// the two signatures.
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -20,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ v, float* __restrict__ out,
                 float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                int seq_len, int keys_per_split, float scale_log2) {
+                int seq_len, int kv_len, int kv_group, int keys_per_split, float scale_log2) {
     // Each row's accumulator lives in the plan's dynamic shared memory, which
     // holds at least the real kernel's q tile of ROWS_PER_BLOCK x (HEAD_DIM + 4) floats.
     extern __shared__ float acc_s[];
@@ -37,6 +44,8 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
     scale_log2 = 1.4426950408889634f;
 #endif
     const size_t head = (size_t)blockIdx.z * seq_len * HEAD_DIM;
+    // Query head z reads KV head z / kv_group; causal masking is bottom-right aligned.
+    const size_t kv_head = (size_t)(blockIdx.z / kv_group) * kv_len * HEAD_DIM;
     for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += THREADS) {
         const int row = blockIdx.x * ROWS_PER_BLOCK + i;
         if (row >= seq_len) break;
@@ -45,10 +54,10 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
         for (int d = 0; d < HEAD_DIM; ++d) acc[d] = 0.f;
         float row_max = -INFINITY;
         float row_sum = 0.f;
-        const int key_end = CAUSAL ? row + 1 : seq_len;
+        const int key_end = CAUSAL ? min(kv_len, row + 1 + kv_len - seq_len) : kv_len;
         for (int key = 0; key < key_end; ++key) {
-            const float* k_row = k + head + (size_t)key * HEAD_DIM;
-            const float* v_row = v + head + (size_t)key * HEAD_DIM;
+            const float* k_row = k + kv_head + (size_t)key * HEAD_DIM;
+            const float* v_row = v + kv_head + (size_t)key * HEAD_DIM;
             float score = 0.f;
 #pragma unroll 4
             for (int d = 0; d < HEAD_DIM; ++d) score = fmaf(q_row[d], k_row[d], score);
