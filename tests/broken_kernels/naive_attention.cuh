@@ -27,7 +27,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ v, float* __restrict__ out,
                 float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                int seq_len, int kv_len, int kv_group, int keys_per_split, float scale_log2) {
+                int seq_len, int kv_len, int kv_group, int keys_per_split, float scale_log2,
+                int heads, int window_left, int window_right, float softcap,
+                const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
+                float* __restrict__ lse) {
     // Each row's accumulator lives in the plan's dynamic shared memory, which
     // holds at least the real kernel's q tile of ROWS_PER_BLOCK x (HEAD_DIM + 4) floats.
     extern __shared__ float acc_s[];
@@ -86,5 +89,6 @@ tiled_attention(const float* __restrict__ q, const float* __restrict__ k,
 // The merge of split partials: never launched for a one-split plan; present
 // because the backend loads every entry function of the family.
 extern "C" __global__ void __launch_bounds__(128)
-split_merge(const float* __restrict__ partial_o, const float* __restrict__ partial_ml,
-            float* __restrict__ out, int seq_len, int splits, int total_rows) {}
+split_merge(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
+            float* __restrict__ out, int seq_len, int splits, int total_rows, int heads,
+            const float* __restrict__ sinks, float* __restrict__ lse) {}
