@@ -70,4 +70,3 @@ def shown_value(value: Any, *, json_text: bool = False) -> str:
     if isinstance(value, list | tuple) and len(value) >= _LONG_LIST:
         return f"[{len(value)} entries]"
     return json.dumps(value) if json_text else format_value(value)
-

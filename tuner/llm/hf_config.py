@@ -210,8 +210,11 @@ def _number(
     if value is None:
         return None
     number_ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number_ok or not math.isfinite(value) or value < minimum or (
-        not inclusive and value == minimum
+    if (
+        not number_ok
+        or not math.isfinite(value)
+        or value < minimum
+        or (not inclusive and value == minimum)
     ):
         sign = ">=" if inclusive else ">"
         raise ConfigFieldError(field, value, f"must be a number {sign} {minimum:g}")
