@@ -86,7 +86,7 @@ def run_in_process(tmp_path: Path, *overrides: str) -> tuple[int, str, str]:
 def table_rows(output: str) -> list[list[str]]:
     """The summary table's rows, split on its column gaps."""
     lines = output.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("#  bucket"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("#  problem"))
     rows = []
     for line in lines[start + 2 :]:
         if not line[:1].isdigit():
@@ -123,9 +123,9 @@ def test_a_model_run_tunes_every_problem_and_stores_each_best(tmp_path, hydra_co
     assert sorted(counted_trials(tmp_path).values()) == [4, 4]
 
     rows = table_rows(output)
-    assert [row[:4] for row in rows] == [
-        ["1", "prefill 1x512", "all 32", "-"],
-        ["2", "decode 2x1024", "all 32", "-"],
+    assert [row[:5] for row in rows] == [
+        ["1", "1x32/8x512x128", "prefill 1x512", "all 32", "none"],
+        ["2", "2x32/8x1:1024x128", "decode 2x1024", "all 32", "none"],
     ]
     assert output.splitlines()[-1].startswith(
         "registry: the best plans of 2 problems (predicted) in sqlite:///"
@@ -137,18 +137,17 @@ def test_a_model_run_tunes_every_problem_and_stores_each_best(tmp_path, hydra_co
         assert best is not None and not best.record.measured
         assert best.environment.gpu_name == "model"
         record = best.record
-        assert row[5] == f"{record.median_ms:.4f}"  # the table's time is the stored plan's
+        assert row[6] == f"{record.median_ms:.4f}"  # the table's time is the stored plan's
         assert record.study_name in counted_trials(tmp_path)
-        assert row[-1] == "predicted"
     prefill, decode = rows
     # TFLOP/s for the prefill, TB/s of K and V for the decode.
     seconds = stored[0].record.median_ms * 1e-3
-    assert prefill[6] == f"{LLAMA_PROBLEMS[0].useful_flops / seconds / 1e12:.1f}"
-    assert prefill[7] == "-" and decode[6] == "-"
+    assert prefill[7] == f"{LLAMA_PROBLEMS[0].useful_flops / seconds / 1e12:.1f}"
+    assert prefill[8] == "-" and decode[7] == "-"
     kv_bytes = 2 * LLAMA_PROBLEMS[1].kv_tensor_bytes
-    assert decode[7] == f"{kv_bytes / (stored[1].record.median_ms * 1e-3) / 1e12:.2f}"
+    assert decode[8] == f"{kv_bytes / (stored[1].record.median_ms * 1e-3) / 1e12:.2f}"
     # The zero-trial pick is what the search measured first: on the cost model, the best.
-    assert prefill[8] == prefill[5] and prefill[9] == "1.00"
+    assert prefill[9] == prefill[6] and prefill[10] == "1.00"
 
 
 def test_a_rerun_tunes_nothing_again_and_stores_nothing_twice(tmp_path, hydra_conf):
@@ -182,7 +181,7 @@ def test_problems_the_planner_cannot_serve_are_listed_with_the_reason(tmp_path, 
         "cannot be planned: "
     )
     assert "overflows u32" in skipped
-    assert [row[1] for row in table_rows(output)] == ["decode 2x1024"]
+    assert [row[2] for row in table_rows(output)] == ["decode 2x1024"]
     assert output.splitlines()[-1].endswith(": 1 new")
 
 
@@ -198,7 +197,7 @@ def test_variant_problems_are_tuned_apart(tmp_path, hydra_conf):
     assert status == 0, output
     assert "softmax scale 0.0625 = 1/sqrt(256)" in output
     rows = table_rows(output)
-    assert [row[1:4] for row in rows] == [
+    assert [row[2:5] for row in rows] == [
         ["prefill 1x8192", "even (21)", "window 4096, softcap 50"],
         ["prefill 1x8192", "odd (21)", "softcap 50"],
     ]
@@ -220,7 +219,7 @@ def test_a_config_json_model_run(tmp_path, hydra_conf):
     )
     assert status == 0, output
     assert output.splitlines()[1].startswith(f"model: {CONFIGS / 'gpt-oss-20b.json'}: 24 layers")
-    assert [row[1:4] for row in table_rows(output)] == [
+    assert [row[2:5] for row in table_rows(output)] == [
         ["decode 1x4096", "even (12)", "window 128, sinks"],
         ["decode 1x4096", "odd (12)", "sinks"],
     ]
@@ -243,9 +242,9 @@ def tuner_cli(tmp_path: Path, *overrides: str, **popen) -> subprocess.CompletedP
 def test_cli_model_run_then_plan_mode(tmp_path):
     done = tuner_cli(tmp_path, *LLAMA, "search.n_trials=3", *urls(tmp_path))
     assert done.returncode == 0, done.stderr
-    assert "#  bucket" in done.stdout and "registry: the best plans of 2 problems" in done.stdout
+    assert "#  problem" in done.stdout and "registry: the best plans of 2 problems" in done.stdout
     log = (tmp_path / "run" / "tuner.log").read_text()
-    assert "best plan per problem (2 tuned, 0 skipped), on model:" in log
+    assert "best plan per problem, predicted for model (2 tuned, 0 skipped; bfloat16" in log
     plan = tuner_cli(
         tmp_path, "model=gemma-2-9b", "mode=plan", "model.decode_batches=[]", *urls(tmp_path)
     )

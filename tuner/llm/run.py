@@ -182,8 +182,11 @@ class _ModelRun:
             for model_problem, tuned in self.tuned
         ]
         gpu = session.environment.gpu_name if session.environment else "-"
+        best = [t.result.best for _, t in self.tuned if t.result.best is not None]
+        how = "measured on" if best and all(b.measured for b in best) else "predicted for"
         self.say(
-            f"best plan per problem ({len(outcomes)} tuned, {len(self.skipped)} skipped), on {gpu}:"
+            f"best plan per problem, {how} {gpu} ({len(outcomes)} tuned, "
+            f"{len(self.skipped)} skipped; {self.config.dtype}, causal):"
         )
         self.say(summary_table(outcomes, self.attention))
         for line in skipped_lines(self.skipped, self.attention):

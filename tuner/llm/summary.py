@@ -1,6 +1,7 @@
 """What a model run prints: one table of the best plan per problem, and the skipped ones.
 
-Each row is one distinct problem: the bucket(s) and layers it serves, its variant, the
+Each row is one distinct problem: its shape (``BxH/KVHxN[:KV]xD``, as the registry and
+``python -m db best`` name it), the bucket(s) and layers it serves, its variant, the
 best plan and its time, the rate (TFLOP/s for a prefill; TB/s of K and V read for a
 decode), and the cost model's zero-trial pick (the plan a deployment without a
 registry launches) with its time in the same study, so the gain of tuning shows.
@@ -20,6 +21,7 @@ from tuner.trials import SearchResult
 
 HEADERS = (
     "#",
+    "problem",
     "bucket",
     "layers",
     "variant",
@@ -29,7 +31,6 @@ HEADERS = (
     "TB/s",
     "pick ms",
     "pick/best",
-    "source",
 )
 #: marks a zero-trial pick's time that is the cost model's, not the study's
 PREDICTED_MARK = "*"
@@ -95,8 +96,9 @@ def _row(index: int, outcome: ProblemOutcome, attention: ModelAttention) -> list
     buckets, layers = serves_text(model_problem, attention.layers)
     variant = variant_text(problem)
     best = result.best
+    shape = problem.shape_text()
     if best is None or best.median_ms is None:
-        return [str(index), buckets, layers, variant, "no candidate produced a time"] + ["-"] * 6
+        return [str(index), shape, buckets, layers, variant, "no time"] + ["-"] * 5
     seconds = best.median_ms * 1e-3
     decode = model_problem.kind == DECODE
     tflops = "-" if decode else f"{problem.useful_flops / seconds / 1e12:.1f}"
@@ -104,6 +106,7 @@ def _row(index: int, outcome: ProblemOutcome, attention: ModelAttention) -> list
     pick_ms, vs_pick = _pick_cells(outcome, best.median_ms)
     return [
         str(index),
+        shape,
         buckets,
         layers,
         variant,
@@ -113,13 +116,12 @@ def _row(index: int, outcome: ProblemOutcome, attention: ModelAttention) -> list
         tbps,
         pick_ms,
         vs_pick,
-        "measured" if best.measured else "predicted",
     ]
 
 
 def variant_text(problem: Problem) -> str:
     """``window 4096, softcap 50``: the variants as the model states them (a window is
-    the keys a token sees, not FlashAttention's bound); ``-`` for none."""
+    the keys a token sees, not FlashAttention's bound); ``none``."""
     parts = []
     if problem.window_left >= 0:
         parts.append(f"window {problem.window_left + 1}")
@@ -129,7 +131,7 @@ def variant_text(problem: Problem) -> str:
         parts.append("alibi")
     if problem.sinks:
         parts.append("sinks")
-    return ", ".join(parts) or "-"
+    return ", ".join(parts) or "none"
 
 
 def _pick_cells(outcome: ProblemOutcome, best_ms: float) -> tuple[str, str]:
