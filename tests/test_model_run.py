@@ -250,7 +250,7 @@ def test_cli_model_run_then_plan_mode(tmp_path):
     )
     assert plan.returncode == 0, plan.stderr
     assert "problems: 4 distinct from 3 buckets x 42 layers (bfloat16): 4 to tune" in plan.stdout
-    assert "1x16/8x8192x256 bfloat16 causal window=4095 softcap=50" in plan.stdout
+    assert "1x16/8x8192x256  prefill 1x8192  even (21)  window 4096, softcap 50" in plan.stdout
     # Plan mode tunes and stores nothing.
     assert sorted(counted_trials(tmp_path).values()) == [3, 3]
     assert len(registry_history(tmp_path)) == 2

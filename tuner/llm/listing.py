@@ -1,9 +1,9 @@
 """``mode=plan model=...``: a model's problems and the skipped ones, without tuning.
 
-For each problem the planner can serve: the bucket(s) and layers it serves, its
-variant, the problem as the registry keys it, how many candidates are feasible, and
-the cost model's best plan with its predicted time (the zero-trial pick). Then the
-problems the planner cannot serve, each with its reason. No GPU, database or study.
+For each problem the planner can serve: its shape, the bucket(s) and layers it serves,
+its variant, how many candidates are feasible, and the cost model's best plan with its
+predicted time (the zero-trial pick). Then the problems the planner cannot serve, each
+with its reason. No GPU, database or study.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tuner.llm.summary import scale_text, serves_text, skipped_lines, variant_te
 from tuner.llm.validation import ValidatedModel
 from tuner.report import format_table
 
-HEADERS = ("#", "bucket", "layers", "variant", "problem", "feasible", "pick", "pred ms")
+HEADERS = ("#", "problem", "bucket", "layers", "variant", "feasible", "pick", "pred ms")
 
 
 def print_model_plan(validated: ValidatedModel, out: TextIO | None = None) -> None:
@@ -32,10 +32,10 @@ def print_model_plan(validated: ValidatedModel, out: TextIO | None = None) -> No
         rows.append(
             [
                 str(index),
+                problem.shape_text(),
                 buckets,
                 layers,
                 variant_text(problem),
-                problem.label(),
                 str(len(space.feasible)),
                 plan.key(),
                 f"{prediction.time_ms:.4f}",
