@@ -225,6 +225,47 @@ def test_a_config_json_model_run(tmp_path, hydra_conf):
     ]
 
 
+GQA_PREFILL_RECORDING = (
+    ROOT / "bench" / "data" / "h200_mma_f16_wgmma_f16_2x32-8x4096x128c_bf16.json"
+)
+
+
+@pytest.mark.skipif(not GQA_PREFILL_RECORDING.exists(), reason="no H200 recording in bench/data")
+def test_a_replay_serves_the_problems_it_recorded_and_skips_the_others(tmp_path, hydra_conf):
+    status, output, _ = run_in_process(
+        tmp_path,
+        "model=llama-3.1-8b",
+        "backend=replay",
+        f"backend.replay_path={GQA_PREFILL_RECORDING}",
+        "model.prefill_lengths=[4096,1024]",
+        "model.prefill_batch=2",
+        "model.decode_batches=[]",
+        "search.n_trials=6",
+    )
+    assert status == 0, output
+    assert [row[1] for row in table_rows(output)] == ["2x32/8x4096x128"]
+    (skipped,) = [line for line in output.splitlines() if line.startswith("skipped: ")]
+    assert skipped.startswith(
+        "skipped: 2x32/8x1024x128 bfloat16 causal (prefill 2x1024; layers all 32): replay file "
+    )
+    assert "has no recording of 2x32/8x1024x128 bfloat16 causal" in skipped
+    assert "(replayed, stored as predicted)" in output.splitlines()[-1]
+    with PlanRegistry.open(f"sqlite:///{tmp_path / 'r.sqlite'}", readonly=True) as registry:
+        best = registry.best(
+            Problem(4096, 128, batch=2, heads=32, kv_heads=8, causal=True, dtype="bfloat16")
+        )
+    assert best is not None and not best.record.measured
+    assert best.environment.gpu_name == "NVIDIA H200"
+
+
+def test_workers_share_each_problem_s_study(tmp_path, hydra_conf):
+    status, output, _ = run_in_process(tmp_path, *LLAMA, "workers=2", "search.n_trials=4")
+    assert status == 0, output
+    assert output.count("workers: 2 processes share the study") == 1
+    assert sorted(counted_trials(tmp_path).values()) == [4, 4]
+    assert output.splitlines()[-1].endswith(": 2 new")
+
+
 # ---------------------------------------------------------------- the CLI
 
 
