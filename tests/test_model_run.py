@@ -258,6 +258,22 @@ def test_a_replay_serves_the_problems_it_recorded_and_skips_the_others(tmp_path,
     assert best.environment.gpu_name == "NVIDIA H200"
 
 
+@pytest.mark.skipif(not GQA_PREFILL_RECORDING.exists(), reason="no H200 recording in bench/data")
+def test_a_replay_that_holds_none_of_the_problems_fails_the_run(tmp_path, hydra_conf):
+    status, output, _ = run_in_process(
+        tmp_path,
+        *LLAMA,
+        "backend=replay",
+        f"backend.replay_path={GQA_PREFILL_RECORDING}",
+    )
+    assert status == 1
+    assert "0 to tune with search.n_trials=40 each, 2 skipped" in output
+    assert len([line for line in output.splitlines() if line.startswith("skipped: ")]) == 2
+    assert "no problem was tuned" in output
+    assert output.splitlines()[-1] == "registry: nothing stored (no problem produced a time)"
+    assert not (tmp_path / "r.sqlite").exists()
+
+
 def test_workers_share_each_problem_s_study(tmp_path, hydra_conf):
     status, output, _ = run_in_process(tmp_path, *LLAMA, "workers=2", "search.n_trials=4")
     assert status == 0, output

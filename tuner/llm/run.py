@@ -13,7 +13,8 @@ is listed as skipped with the reason.
 
 Ctrl-C ends the problem in hand as the shape command does (its best so far is stored)
 and leaves the rest to the next run; the exit status is then 130. Worker processes
-that failed make it 1.
+that failed, or no problem tuned at all (each skipped when the run came to it), make
+it 1.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def run_model(
     validated: ValidatedModel, *, out: TextIO | None = None, stream: TextIO | None = None
 ) -> int:
     """Tune every problem of ``validated``; 0 when done, 130 when interrupted, 1 when a
-    worker process failed. ``stream``: where the progress display goes (stderr)."""
+    worker process failed or nothing was tuned. ``stream``: where the progress display
+    goes (stderr)."""
     return _ModelRun(validated, out or sys.stdout, stream).run()
 
 
@@ -194,7 +196,9 @@ class _ModelRun:
         self.say(self.store.line())
         if self.interrupted:
             return EXIT_INTERRUPTED
-        return 1 if failures else 0
+        # Every problem skipped when the run came to it (a replay file that holds none of
+        # them, a compiler that ruled out every candidate): the run did not do its job.
+        return 1 if failures or not self.tuned else 0
 
 
 class _PlanStore:
