@@ -64,6 +64,30 @@ CASES = {
     "bad override syntax": Case(("seq_len=[1,",), "seq_len=[1,", "not a valid override"),
     "bad interpolation": Case(("seq_len=${nope}",), "seq_len=${nope}", "not found"),
     "list element": Case(("search.tile_sizes=[a]",), "search.tile_sizes=[a]", "integers >= 1"),
+    "seq_len with a model": Case(
+        ("model=llama-3.1-8b",),
+        "seq_len=4096 is invalid with model=llama-3.1-8b",
+        "leave seq_len out",
+        drop=("head_dim",),
+    ),
+    "unknown model": Case(
+        ("model=llama-4",), "model=llama-4", "llama-3.1-8b", drop=("seq_len", "head_dim")
+    ),
+    "model config_json missing": Case(
+        ("model.config_json=/nowhere/config.json",),
+        "model.config_json=/nowhere/config.json",
+        "no such file",
+        drop=("seq_len", "head_dim"),
+    ),
+    "model bucket": Case(
+        ("model=llama-3.1-8b", "model.decode_batches=[0]"),
+        "model.decode_batches=[0]",
+        "integers >= 1",
+        drop=("seq_len", "head_dim"),
+    ),
+    "bucket without a model": Case(
+        ("model.prefill_lengths=[2048]",), "model.prefill_lengths=[2048]", "without a model"
+    ),
 }
 
 

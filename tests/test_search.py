@@ -347,6 +347,24 @@ def test_study_names_change_with_the_environment_and_the_kernel_source():
     assert study_name(problem, environment, hashes, sampler="random") == f"{name[:-4]}-random"
 
 
+def test_problems_that_differ_only_by_a_variant_have_studies_of_their_own():
+    # Gemma 2 at an 8192-token prefill: its sliding and its global layers.
+    environment = Environment("NVIDIA H200", "9.0", 132)
+    shape = dict(heads=16, kv_heads=8, causal=True, dtype="bfloat16", softcap=50.0)
+    sliding = Problem(8192, 256, window_left=4095, **shape)
+    full = Problem(8192, 256, **shape)
+    names = {study_name(p, environment, {}) for p in (sliding, full, Problem(8192, 256))}
+    assert len(names) == 3
+    assert study_name(sliding, environment, {}).startswith(
+        "1x16kv8x8192x256-bfloat16-causal-window=4095-softcap=50@nvidia-h200-"
+    )
+    # A window that cuts nothing is no window: the plain problem's study.
+    uncut = Problem(4096, 256, window_left=4095, **shape)
+    assert study_name(uncut, environment, {}) == study_name(
+        Problem(4096, 256, **shape), environment, {}
+    )
+
+
 def test_the_default_storage_sits_next_to_the_registry():
     assert default_storage_url("sqlite:////tmp/x/r.sqlite") == "sqlite:////tmp/x/studies.sqlite"
     assert default_storage_url("sqlite:///db/plans.sqlite") == "sqlite:///db/studies.sqlite"

@@ -1,4 +1,5 @@
-"""Command-line entry: ``python -m tuner seq_len=4096 head_dim=128 [key=value ...]``.
+"""Command-line entry: ``python -m tuner seq_len=4096 head_dim=128 [key=value ...]``, or
+``python -m tuner model=llama-3.1-8b [key=value ...]`` for every problem of a model.
 
 Any error the user can fix is printed as one line, ``error: <message>``, on
 stderr, and the run exits with status 1, writing nothing. There are
@@ -71,12 +72,15 @@ from tuner.config import (
     allowed_values,
     format_value,
     invalid_message,
+    model_selected,
     typed_config,
     unknown_key_message,
     validate,
 )
 from tuner.dry_run import print_plan_space
 from tuner.errors import TunerError
+from tuner.llm.listing import print_model_plan
+from tuner.llm.validation import ValidatedModel, validate_model
 from tuner.sweeps import JobFailed, in_launcher_process, job_overrides, mark_main_process, restore
 from tuner.termination import sigterm_as_ctrl_c
 
@@ -108,7 +112,11 @@ def run_job(cfg: DictConfig) -> int:
     _jobs_started += 1
     refused = True
     try:
-        status = dispatch(validate(typed_config(cfg)))
+        config = typed_config(cfg)
+        if model_selected(config):
+            status = dispatch_model(validate_model(config))
+        else:
+            status = dispatch(validate(config))
         refused = False
     except TunerError as error:
         if _tracebacks_wanted:
@@ -141,6 +149,15 @@ def dispatch(validated: ValidatedConfig) -> int:
     from tuner.app import run
 
     return run(validated)
+
+
+def dispatch_model(validated: ValidatedModel) -> int:
+    if validated.config.mode == "plan":
+        print_model_plan(validated)
+        return 0
+    from tuner.llm.run import run_model
+
+    return run_model(validated)
 
 
 def report(message: str) -> None:

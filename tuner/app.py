@@ -13,6 +13,12 @@
    (as measured only for GPU timings), and write PNG plots into the run
    directory (Hydra's output directory when run from the CLI).
 
+What every problem of a run shares (the backend, chosen and started once, the device,
+the environment, the study storage, the registry) is a ``TuneSession``; a problem is
+prepared through it (candidates, predictions, its study's name) and searched. The shape
+command tunes its one problem so; a model run (``tuner.llm.run``) each of a model's
+problems in turn, through the same session.
+
 Ctrl-C during the search ends it cleanly: finished trials stay in the study,
 the best so far is printed and stored (the output says so), measurement
 workers are stopped, and the exit status is 130. SIGTERM does the same and
@@ -28,20 +34,20 @@ import dataclasses
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from optuna.storages import BaseStorage
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
-from tqdm import tqdm
 
 from db import PlanRecord, PlanRegistry, RecordStatus
 from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
 from kernels.backends.model import MODEL_GPU_NAME
 from tuner import plots, report, termination
-from tuner.config import ValidatedConfig, space_axes_from
-from tuner.costmodel import predict
+from tuner.config import TunerConfig, ValidatedConfig, space_axes_from
+from tuner.costmodel import Prediction, predict
 from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.environment import Environment
@@ -49,18 +55,19 @@ from tuner.errors import BackendError, ConfigError
 from tuner.isolation import IsolatedBackend
 from tuner.planner.errors import PlanError
 from tuner.planner.families import family_named
-from tuner.planner.space import candidate_space
+from tuner.planner.space import CandidateSpace, candidate_space
 from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
+from tuner.progress import SearchProgress, TrialProgress
 from tuner.run_log import to_log_file
-from tuner.search import encoding_for, run_search, study_trials
+from tuner.search import allowed_plans, encoding_for, run_search, study_trials
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
 from tuner.study_storage import storage_url as display_url
 from tuner.trials import SearchResult, TrialOutcome
-from tuner.workers import IsolatedFactory, WorkerJob, plan_gpus, search_with_workers
+from tuner.workers import GpuPlan, IsolatedFactory, WorkerJob, plan_gpus, search_with_workers
 
 TOP_ROWS = 5
 _STATUS_WORDS = {
@@ -76,46 +83,12 @@ def run(
 ) -> int:
     """Tune ``validated.problem``; 0 when done, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted
     (the best so far stored)."""
-    out = out or sys.stdout
-    config, problem = validated.config, validated.problem
-    registry_url = config.registry.url or default_registry_url()  # validate() resolved it
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-        to_log_file(line)
-
-    choice = choose_backend(config.backend)
-    gpu_plan = None if config.workers == 1 else plan_gpus(config.workers)
-    if gpu_plan is not None and gpu_plan.count == 1:
-        say(gpu_plan.line())
-        gpu_plan = None
-    backend = _build_backend(choice, validated)
-    storage = None
-    failures: list[str] = []
+    problem = validated.problem
+    say = _sayer(out or sys.stdout)
+    session = TuneSession.open(validated.config, validated.device, say, problem=problem)
     try:
-        say(choice.line(_measures_on_a_gpu(choice, backend)))
-        device = _device_profile(choice, backend, validated.device)
-        environment = Environment(**backend.environment())  # type: ignore[arg-type]
-        feasible, rejected = _candidates(choice, backend, validated, device)
-        predictions = {plan.key(): predict(plan, device) for plan in feasible}
-        hashes = _source_hashes(choice, backend, problem)
-        # A replay is a simulation of a GPU run: its own study, never the GPU's.
-        variant = "replay" if choice.name == "replay" else ""
-        name = config.search.study_name or study_name(
-            problem, environment, hashes, variant, sampler=config.search.sampler
-        )
-        storage_url = config.search.storage or default_storage_url(registry_url)
-        _check_storage(storage_url, registry_url, shared=gpu_plan is not None)
-        # Checked before the study is touched: a registry that cannot take the
-        # result is refused now, not after the search has spent its trials. A new
-        # SQLite registry is created only when there is a plan to store.
-        PlanRegistry.check_writable(registry_url)
-        storage = open_storage(
-            storage_url,
-            heartbeat_interval_s=config.search.heartbeat_interval_s,
-            grace_period_s=config.search.grace_period_s,
-        )
-        shown = display_url(storage)  # a server's password stays off the terminal
+        prepared = session.prepare(problem)
+        shown = display_url(session.storage)  # a server's password stays off the terminal
         # The viewer is an optional extra: named where it is installed, as what it is.
         viewer = (
             f"; browse it with optuna-dashboard {shown}"
@@ -123,56 +96,22 @@ def run(
             else ""
         )
         say(
-            f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
-            f"{len(rejected)} rejected{viewer})"
+            f"study: {prepared.study_name} in {shown} ({len(prepared.feasible)} feasible "
+            f"candidates, {len(prepared.rejected)} rejected{viewer})"
         )
-        done = _trials_done(storage, name)
-        if done is not None:
+        if prepared.done is not None:
             say(
-                f"study: continuing {name} ({done} trials done of "
-                f"search.n_trials={config.search.n_trials}; search.study_name=<new name> "
-                "starts another)"
+                f"study: continuing {prepared.study_name} ({prepared.done} trials done of "
+                f"search.n_trials={session.config.search.n_trials}; "
+                "search.study_name=<new name> starts another)"
             )
-        space = StudySpace(
-            problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
-        )
-        if gpu_plan is None:
-            with _ProgressBar() as progress:
-                result = run_search(
-                    space,
-                    backend,
-                    config.search,
-                    storage=storage,
-                    study_name=name,
-                    predictions=predictions,
-                    progress=progress,
-                    on_start=progress.start,
-                )
-        else:
-            # The parent measures nothing: its backend (and, for PyCUDA, the GPU
-            # context of its measurement process) goes before the workers start.
-            backend.close()
-            say(gpu_plan.line())
-            job = WorkerJob(
-                space=space,
-                predictions=predictions,
-                settings=config.search,
-                storage_url=storage_url,
-                study_name=name,
-                backend=_worker_backend(choice, validated),
-                environment=environment.as_dict(),
-            )
-            with _ProgressBar(f"trials ({gpu_plan.count} workers)") as progress:
-                result, outcome = search_with_workers(
-                    job, gpu_plan, storage, progress=progress, on_start=progress.start
-                )
-            failures = [f"workers: {e.describe()}" for e in outcome.failed] if outcome else []
+        with TrialProgress(session.progress_label) as progress:
+            tuned = session.search(prepared, progress)
     finally:
-        backend.close()
-        if storage is not None:
-            storage.engine.dispose()  # SQLite checkpoints its WAL into the file
+        session.close()
 
-    for line in failures:
+    result = tuned.result
+    for line in tuned.failures:
         say(line)
     if result.interrupted:
         say(
@@ -182,39 +121,276 @@ def run(
     say(report.best_table(result, TOP_ROWS))
     for line in report.summary_lines(result):
         say(line)
-    say(_store_best(result, problem, environment, hashes, registry_url, replayed=variant != ""))
+    say(
+        _store_best(
+            result,
+            problem,
+            session.environment,
+            tuned.source_hashes,
+            session.registry_url,
+            replayed=session.replayed,
+        )
+    )
     say(_write_plots(result, problem, output_dir))
     if result.interrupted:
         return termination.exit_status()
-    return 1 if failures else 0
+    return 1 if tuned.failures else 0
+
+
+def _sayer(out: TextIO) -> Callable[[str], None]:
+    """Print a line to ``out`` and to the run's log file."""
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+        to_log_file(line)
+
+    return say
+
+
+# ---------------------------------------------------------------------- one problem
+
+
+@dataclass(frozen=True)
+class PreparedProblem:
+    """A problem ready to search: its candidates, their predictions, its study."""
+
+    problem: Problem
+    feasible: list[KernelPlan]
+    rejected: list[KernelPlan]
+    predictions: dict[str, Prediction]
+    source_hashes: dict[str, str]
+    study_name: str
+    #: trials that count in the study already; None when the study is new
+    done: int | None
+
+
+@dataclass(frozen=True)
+class TunedProblem:
+    """A problem's search as it ended: the study's trials, and the workers that failed."""
+
+    prepared: PreparedProblem
+    result: SearchResult
+    failures: list[str]
+    #: the plan the cost model ranks first (what the search measures first, and what a
+    #: deployment without a registry launches): the zero-trial pick the search is judged by
+    pick: KernelPlan
+
+    @property
+    def source_hashes(self) -> dict[str, str]:
+        return self.prepared.source_hashes
+
+
+class TuneSession:
+    """What the problems of one run share: the backend (chosen and started once), the
+    device and environment, the study storage and the registry it writes to.
+
+    ``prepare(problem)`` plans a problem's candidates and names its study;
+    ``search(prepared, progress)`` runs or continues the study (in this process, or
+    in ``workers`` worker processes). The shape command tunes one problem through it,
+    a model run (``tuner.llm.run``) each of the model's problems in turn.
+    """
+
+    def __init__(
+        self,
+        config: TunerConfig,
+        configured_device: DeviceProfile,
+        choice: BackendChoice,
+        backend: Backend,
+        gpu_plan: GpuPlan | None,
+        say: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.say = say
+        self.configured_device = configured_device
+        self.choice = choice
+        self.backend = backend
+        self.gpu_plan = gpu_plan
+        self.registry_url = config.registry.url or default_registry_url()  # validated: resolved
+        self.device = configured_device
+        self.environment: Environment | None = None
+        self.storage: BaseStorage | None = None
+        self.storage_url = ""
+        self._backend_closed = False
+        self._workers_announced = False
+
+    @classmethod
+    def open(
+        cls,
+        config: TunerConfig,
+        configured_device: DeviceProfile,
+        say: Callable[[str], None],
+        *,
+        problem: Problem | None = None,
+    ) -> TuneSession:
+        """Choose and build the backend (saying which in one line), read the device and
+        the environment, and open the study storage; ``RegistryError`` now, before any
+        trial, when the registry cannot take the results. ``problem``: the one problem a
+        replay must hold (a model run asks per problem)."""
+        choice = choose_backend(config.backend)
+        gpu_plan = None if config.workers == 1 else plan_gpus(config.workers)
+        if gpu_plan is not None and gpu_plan.count == 1:
+            say(gpu_plan.line())
+            gpu_plan = None
+        backend = _build_backend(choice, config, configured_device, problem)
+        session = cls(config, configured_device, choice, backend, gpu_plan, say)
+        try:
+            session._start()
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def _start(self) -> None:
+        self.say(self.choice.line(_measures_on_a_gpu(self.choice, self.backend)))
+        self.device = _device_profile(self.choice, self.backend, self.configured_device)
+        self.environment = Environment(**self.backend.environment())  # type: ignore[arg-type]
+        self.storage_url = self.config.search.storage or default_storage_url(self.registry_url)
+        _check_storage(self.storage_url, self.registry_url, shared=self.gpu_plan is not None)
+        # Checked before the study is touched: a registry that cannot take the
+        # result is refused now, not after the search has spent its trials. A new
+        # SQLite registry is created only when there is a plan to store.
+        PlanRegistry.check_writable(self.registry_url)
+        self.storage = open_storage(
+            self.storage_url,
+            heartbeat_interval_s=self.config.search.heartbeat_interval_s,
+            grace_period_s=self.config.search.grace_period_s,
+        )
+
+    @property
+    def replayed(self) -> bool:
+        """A replay is a simulation of a GPU run: its own studies, results stored as predicted."""
+        return self.choice.name == "replay"
+
+    @property
+    def progress_label(self) -> str:
+        return "trials" if self.gpu_plan is None else f"trials ({self.gpu_plan.count} workers)"
+
+    def replay_gap(self, problem: Problem) -> str:
+        """Why a replay cannot serve ``problem`` (its file has no recording of it); ""."""
+        if not self.replayed:
+            return ""
+        try:
+            self.backend.recording_for(problem)  # type: ignore[attr-defined]
+        except BackendError as error:
+            return str(error)
+        return ""
+
+    def prepare(self, problem: Problem, space: CandidateSpace | None = None) -> PreparedProblem:
+        """Plan ``problem``'s candidates (compiling them for PyCUDA) and name its study.
+
+        ``space``: the planner's space of ``problem`` when already planned on this
+        run's device. ``ConfigError`` when no candidate is left (the compiler ruled
+        them all out)."""
+        assert self.storage is not None and self.environment is not None
+        if space is None or self.device != self.configured_device:
+            space = _plan_space(problem, self.config, self.device)
+        feasible, rejected = _candidates(
+            self.choice, self.backend, problem, space, self.config, self.device
+        )
+        predictions = {plan.key(): predict(plan, self.device) for plan in feasible}
+        hashes = _source_hashes(self.choice, self.backend, problem)
+        name = self.config.search.study_name or study_name(
+            problem,
+            self.environment,
+            hashes,
+            "replay" if self.replayed else "",
+            sampler=self.config.search.sampler,
+        )
+        return PreparedProblem(
+            problem=problem,
+            feasible=feasible,
+            rejected=rejected,
+            predictions=predictions,
+            source_hashes=hashes,
+            study_name=name,
+            done=_trials_done(self.storage, name),
+        )
+
+    def search(self, prepared: PreparedProblem, progress: SearchProgress) -> TunedProblem:
+        """Run or continue ``prepared``'s study until ``search.n_trials`` count."""
+        assert self.storage is not None and self.environment is not None
+        settings = self.config.search
+        space = StudySpace(
+            prepared.problem,
+            self.device,
+            prepared.feasible,
+            prepared.rejected,
+            encoding=encoding_for(settings.sampler),
+        )
+        pick, _ = allowed_plans(space, prepared.predictions, settings.traffic_cutoff)[0]
+        if self.gpu_plan is None:
+            result = run_search(
+                space,
+                self.backend,
+                settings,
+                storage=self.storage,
+                study_name=prepared.study_name,
+                predictions=prepared.predictions,
+                progress=progress,
+                on_start=progress.start,
+            )
+            return TunedProblem(prepared, result, [], pick)
+        # The parent measures nothing: its backend (and, for PyCUDA, the GPU
+        # context of its measurement process) goes before the workers start.
+        self._close_backend()
+        if not self._workers_announced:
+            self._workers_announced = True
+            self.say(self.gpu_plan.line())
+        job = WorkerJob(
+            space=space,
+            predictions=prepared.predictions,
+            settings=settings,
+            storage_url=self.storage_url,
+            study_name=prepared.study_name,
+            backend=_worker_backend(self.choice, self.config, self.configured_device),
+            environment=self.environment.as_dict(),
+        )
+        result, outcome = search_with_workers(
+            job, self.gpu_plan, self.storage, progress=progress, on_start=progress.start
+        )
+        failures = [f"workers: {e.describe()}" for e in outcome.failed] if outcome else []
+        return TunedProblem(prepared, result, failures, pick)
+
+    def close(self) -> None:
+        self._close_backend()
+        if self.storage is not None:
+            self.storage.engine.dispose()  # SQLite checkpoints its WAL into the file
+
+    def _close_backend(self) -> None:
+        if not self._backend_closed:
+            self._backend_closed = True
+            self.backend.close()
 
 
 # ---------------------------------------------------------------------- backend
 
 
-def _build_backend(choice: BackendChoice, validated: ValidatedConfig) -> Backend:
+def _build_backend(
+    choice: BackendChoice, config: TunerConfig, device: DeviceProfile, problem: Problem | None
+) -> Backend:
     """The backend, not started yet. PyCUDA measures in worker processes unless
     ``backend.isolate=false``; the model and replay backends run in this process
-    (they only read numbers: nothing there can crash or hang)."""
-    config = validated.config
+    (they only read numbers: nothing there can crash or hang). A replay must hold
+    ``problem`` when one is given."""
     if choice.name == "pycuda" and importlib.util.find_spec("pycuda") is None:
         # Said here, not by a worker that cannot start.
         raise BackendError(
             "backend=pycuda: pycuda is not installed (pip install 'flash-attention-tuner[cuda]')"
         )
     if choice.name == "pycuda" and config.backend.isolate:
-        factory = BackendFactory("pycuda", config.backend, device=validated.device)
+        factory = BackendFactory("pycuda", config.backend, device=device)
         return IsolatedBackend(factory, config.search.trial_timeout_s, name="pycuda")
-    backend = make_backend(choice.name, config.backend, device=validated.device)
-    if choice.name == "replay":
-        backend.recording_for(validated.problem)  # type: ignore[attr-defined]
+    backend = make_backend(choice.name, config.backend, device=device)
+    if choice.name == "replay" and problem is not None:
+        backend.recording_for(problem)  # type: ignore[attr-defined]
     return backend
 
 
-def _worker_backend(choice: BackendChoice, validated: ValidatedConfig) -> Callable[[], Backend]:
+def _worker_backend(
+    choice: BackendChoice, config: TunerConfig, device: DeviceProfile
+) -> Callable[[], Backend]:
     """The recipe each worker process builds its own backend from (isolated for PyCUDA)."""
-    config = validated.config
-    factory = BackendFactory(choice.name, config.backend, device=validated.device)
+    factory = BackendFactory(choice.name, config.backend, device=device)
     if choice.name == "pycuda" and config.backend.isolate:
         return IsolatedFactory(factory, config.search.trial_timeout_s)
     return factory
@@ -285,14 +461,21 @@ def _device_profile(
 # ---------------------------------------------------------------------- candidates
 
 
-def _candidates(
-    choice: BackendChoice, backend: Backend, validated: ValidatedConfig, device: DeviceProfile
-) -> tuple[list[KernelPlan], list[KernelPlan]]:
-    problem, config = validated.problem, validated.config
+def _plan_space(problem: Problem, config: TunerConfig, device: DeviceProfile) -> CandidateSpace:
     try:
-        space = candidate_space(problem, device, space_axes_from(config.search))
+        return candidate_space(problem, device, space_axes_from(config.search))
     except PlanError as error:
         raise ConfigError(f"{problem.label()} cannot be planned: {error}") from error
+
+
+def _candidates(
+    choice: BackendChoice,
+    backend: Backend,
+    problem: Problem,
+    space: CandidateSpace,
+    config: TunerConfig,
+    device: DeviceProfile,
+) -> tuple[list[KernelPlan], list[KernelPlan]]:
     feasible, rejected = list(space.feasible), list(space.rejected)
     if choice.name == "pycuda" and feasible:
         feasible, compiled_out = precompile(
@@ -355,12 +538,9 @@ def _store_best(
     replayed: bool = False,
 ) -> str:
     best = result.best
-    if best is None:
+    record = best_record(result, source_hashes, replayed=replayed)
+    if best is None or record is None:
         return "registry: nothing stored (no candidate produced a time)"
-    record = plan_record(best, source_hashes, result.study_name)
-    if replayed:
-        # Recorded timings replayed here are not a measurement on this machine.
-        record = dataclasses.replace(record, measured=False)
     with PlanRegistry.open(registry_url) as registry:
         outcome = registry.record(problem, environment, record, source_hashes=source_hashes)
         where = registry.url
@@ -382,6 +562,19 @@ def _store_best(
             "kernels.attention there asks for its own GPU's plans)"
         )
     return line
+
+
+def best_record(
+    result: SearchResult, source_hashes: Mapping[str, str], *, replayed: bool = False
+) -> PlanRecord | None:
+    """The registry's record of the study's best trial; None when no trial has a time."""
+    if result.best is None:
+        return None
+    record = plan_record(result.best, source_hashes, result.study_name)
+    if replayed:
+        # Recorded timings replayed here are not a measurement on this machine.
+        record = dataclasses.replace(record, measured=False)
+    return record
 
 
 def plan_record(
@@ -437,57 +630,3 @@ def _hydra_run_directory() -> Path | None:
         return Path(HydraConfig.get().runtime.output_dir)
     except (ImportError, ValueError):  # ValueError: HydraConfig was not set (no Hydra run)
         return None
-
-
-class _ProgressBar:
-    """A tqdm bar on stderr over the trials that count, with the best time so far.
-
-    Not on a terminal (CI logs, a pipe) a bar would be noise: a line every tenth of
-    the trials instead (``trials: 12/40, best 0.2431 ms``), and one at the end.
-    """
-
-    def __init__(self, desc: str = "trials", stream: TextIO | None = None) -> None:
-        self.bar: tqdm | None = None
-        self.best = float("inf")
-        self.desc = desc
-        self.stream = stream or sys.stderr
-        self.lines = not _is_terminal(self.stream)
-        self.done = self.total = self.every = 0
-
-    def start(self, done: int, total: int) -> None:
-        if self.lines:
-            self.done, self.total = done, total
-            self.every = max(1, (total - done + 9) // 10)
-            return
-        self.bar = tqdm(
-            total=total, initial=done, desc=self.desc, unit="trial", file=self.stream, disable=None
-        )
-
-    def __call__(self, trial: TrialOutcome) -> None:
-        if not trial.counted or (self.bar is None and not self.total):
-            return
-        if trial.median_ms is not None:
-            self.best = min(self.best, trial.median_ms)
-        if self.bar is None:
-            self.done += 1
-            if self.done % self.every == 0 or self.done >= self.total:
-                best = f", best {self.best:.4f} ms" if self.best < float("inf") else ""
-                print(f"{self.desc}: {self.done}/{self.total}{best}", file=self.stream, flush=True)
-            return
-        self.bar.update(1)
-        if self.best < float("inf"):
-            self.bar.set_postfix_str(f"best {self.best:.4f} ms", refresh=False)
-
-    def __enter__(self) -> _ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or closed
-        return False

@@ -7,6 +7,7 @@ with ``validate``, and the rest of the code sees only these dataclasses.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import re
@@ -20,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.errors import ConfigError
+from tuner.llm.hf_config import LAYER_TYPES
 from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
@@ -117,6 +119,42 @@ class DeviceConfig:
 
 
 @dataclass
+class ModelConfig:
+    """A model to tune all the attention problems of (``model=<option>`` or
+    ``model.config_json=<file>``), and the serving buckets that shape them.
+
+    The attention fields carry the names of a Hugging Face ``config.json`` and mean
+    what they mean there (``tuner.llm.hf_config`` reads both alike); null is a field
+    the config does not have. Each ``tuner/conf/model/`` option writes the published
+    values; ``config_json`` reads them from a file instead (then these stay null).
+    """
+
+    #: the option's name, written by each tuner/conf/model/ file; null: no model option
+    name: str | None = None
+    #: a Hugging Face config.json (or a directory holding one) to read the fields from
+    config_json: str | None = None
+    model_type: str | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    num_hidden_layers: int | None = None
+    sliding_window: int | None = None
+    use_sliding_window: bool | None = None
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+    sliding_window_pattern: int | None = None
+    attn_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    # Serving buckets: prefill of each length (one sequence per batch row, causal),
+    # and decode (one query row per sequence) of each batch at each KV length.
+    prefill_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192])
+    prefill_batch: int = 1
+    decode_batches: list[int] = field(default_factory=lambda: [1, 16, 64])
+    decode_kv_lengths: list[int] = field(default_factory=lambda: [2048, 8192])
+
+
+@dataclass
 class TunerConfig:
     seq_len: Any = MISSING
     head_dim: Any = MISSING
@@ -143,6 +181,8 @@ class TunerConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    #: a model instead of a shape (tuner/conf/model/, or model.config_json=<file>)
+    model: ModelConfig = field(default_factory=ModelConfig)
 
 
 def register_configs() -> None:
@@ -174,6 +214,7 @@ SECTIONS: dict[str, type] = {
     "backend": BackendConfig,
     "registry": RegistryConfig,
     "device": DeviceConfig,
+    "model": ModelConfig,
 }
 
 
@@ -278,10 +319,29 @@ def _axes() -> Rule:
     )
 
 
+def _length_list() -> Rule:
+    return Rule(
+        "a list of integers >= 1 ([] for none)",
+        lambda v: isinstance(v, list) and all(_is_int(x) and 1 <= x <= U32_MAX for x in v),
+    )
+
+
+def _optional_number(low: float, *, inclusive: bool, null_means: str) -> Rule:
+    sign = ">=" if inclusive else ">"
+    return Rule(
+        f"a number {sign} {low:g} or {null_means}",
+        lambda v: v is None or (_is_number(v) and (v >= low if inclusive else v > low)),
+    )
+
+
 _BOOL = Rule("true or false", lambda v: isinstance(v, bool))
 _SHAPE_KEYS = (
     "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision"
 )
+#: the mandatory shape keys a model run leaves unset
+_MODEL_FREE_KEYS = {"seq_len", "head_dim"}
+#: the keys that make a run a model run (model_selected)
+_MODEL_KEYS = ("name", "config_json")
 _AXIS_KEYS = (
     "families",
     "tile_sizes",
@@ -353,6 +413,34 @@ RULES: dict[str, Rule] = {
         for f in fields(DeviceConfig)
         if f.type in ("int", "float") and f.name != "reserved_shared_memory_per_block"
     },
+    "model.name": _text(optional=True),
+    "model.config_json": _text(optional=True),
+    "model.model_type": _text(optional=True),
+    "model.hidden_size": _optional_int_in(1, U32_MAX, "null (not in the config)"),
+    "model.num_attention_heads": _optional_int_in(1, U32_MAX, "null (not in the config)"),
+    "model.num_key_value_heads": _optional_int_in(1, U32_MAX, "null (= num_attention_heads)"),
+    "model.head_dim": _optional_int_in(
+        1, U32_MAX, "null (= hidden_size / num_attention_heads)"
+    ),
+    "model.num_hidden_layers": _optional_int_in(1, U32_MAX, "null (= len(layer_types))"),
+    "model.sliding_window": _optional_int_in(1, U32_MAX, "null (no sliding window)"),
+    "model.use_sliding_window": Rule(
+        "true, false or null (= true)", lambda v: v is None or isinstance(v, bool)
+    ),
+    "model.max_window_layers": _optional_int_in(0, U32_MAX, "null (not in the config)"),
+    "model.layer_types": Rule(
+        f"a list of {' or '.join(LAYER_TYPES)}, one per layer, or null",
+        lambda v: v is None or (isinstance(v, list) and all(x in LAYER_TYPES for x in v)),
+    ),
+    "model.sliding_window_pattern": _optional_int_in(1, U32_MAX, "null (not in the config)"),
+    "model.attn_logit_softcapping": _optional_number(0, inclusive=True, null_means="null (= 0)"),
+    "model.query_pre_attn_scalar": _optional_number(
+        0, inclusive=False, null_means="null (= head_dim)"
+    ),
+    "model.prefill_lengths": _length_list(),
+    "model.prefill_batch": _int_in(1, U32_MAX),
+    "model.decode_batches": _length_list(),
+    "model.decode_kv_lengths": _length_list(),
 }
 
 
@@ -420,15 +508,17 @@ def missing_message(key: str) -> str:
     return f"{key} is missing: give {key}=<{allowed_values(key) or 'a value'}>"
 
 
-def _check(key: str, value: Any) -> None:
+def check_value(key: str, value: Any) -> None:
+    """``ConfigError`` naming ``key``, ``value`` and what is allowed, unless its rule accepts it."""
     rule = RULES[key]
     if not rule.accepts(value):
         raise ConfigError(invalid_message(key, format_value(value)))
 
 
-def _check_section(section: str, values: Any) -> None:
+def check_section(section: str, values: Any) -> None:
+    """``check_value`` for every key of a section (``search``, ``model``, ...)."""
     for f in fields(values):
-        _check(f"{section}.{f.name}", getattr(values, f.name))
+        check_value(f"{section}.{f.name}", getattr(values, f.name))
 
 
 # --- From Hydra's composed config to typed, validated values ----------------------------------
@@ -448,13 +538,20 @@ def typed_config(cfg: DictConfig) -> TunerConfig:
     """The composed config as a ``TunerConfig``: the one ``OmegaConf.to_object`` of a run.
 
     Raises ``ConfigError`` (one line) for keys forced in with ``+key=``, missing
-    mandatory values and interpolations that do not resolve.
+    mandatory values and interpolations that do not resolve. A model run takes its
+    shapes from the model: there ``seq_len`` and ``head_dim`` may stay unset (None).
     """
     raw = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
     assert isinstance(raw, dict)
     _reject_unknown_keys(raw)
     try:
         missing = OmegaConf.missing_keys(cfg)
+        model = raw.get("model")
+        if isinstance(model, dict) and any(model.get(k) is not None for k in _MODEL_KEYS):
+            cfg = copy.deepcopy(cfg)
+            for key in _MODEL_FREE_KEYS & missing:
+                cfg[key] = None
+            missing -= _MODEL_FREE_KEYS
         if missing:
             order = list(RULES)
             first = min(missing, key=lambda k: order.index(k) if k in order else len(order))
@@ -513,7 +610,7 @@ def checked_problem(**shape: Any) -> Problem:
     defaults = {f.name: f.default for f in fields(TunerConfig) if f.name in _SHAPE_KEYS}
     config = _ShapeValues(**(defaults | shape))
     for key in _SHAPE_KEYS:
-        _check(key, getattr(config, key))
+        check_value(key, getattr(config, key))
     if config.precision is not None and config.dtype != "float32":
         raise ConfigError(
             f"precision={config.precision} is invalid: it applies to dtype=float32 only, "
@@ -574,7 +671,7 @@ class _ShapeValues:
 
 def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:
     """The planner's view of the configured device limits; ``ConfigError`` names a bad one."""
-    _check_section("device", device_config)
+    check_section("device", device_config)
     values = {
         f.name: getattr(device_config, f.name) for f in fields(DeviceConfig) if f.name != "profile"
     }
@@ -586,7 +683,7 @@ def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:
 def space_axes_from(search_config: SearchConfig) -> SpaceAxes:
     """The values each tunable may take, as the search settings restrict them."""
     for name in _AXIS_KEYS:
-        _check(f"search.{name}", getattr(search_config, name))
+        check_value(f"search.{name}", getattr(search_config, name))
     values = {
         name: tuple(getattr(search_config, name))
         for name in _AXIS_KEYS
@@ -603,24 +700,54 @@ def validate(config: TunerConfig) -> ValidatedConfig:
     Raises ``ConfigError`` whose message is one line naming the key, the value
     given and what is allowed; also when no candidate plan is feasible at all,
     since a search over an empty space could only fail later and less clearly.
+    A model run (``model_selected``) is validated by ``tuner.llm.validation`` instead.
     """
     problem = problem_from(config)
+    _refuse_model_settings(config.model)
+    check_settings(config)
+    device = device_profile_from(config.device)
+    _require_feasible_plan(problem, device, space_axes_from(config.search))
+    return ValidatedConfig(problem=problem, device=device, config=with_registry_url(config))
+
+
+def check_settings(config: TunerConfig) -> None:
+    """Check what a shape run and a model run share: mode, workers, search, backend, registry."""
     for key in ("mode", "plan_rows", "workers"):
-        _check(key, getattr(config, key))
-    _check_section("search", config.search)
-    _check_section("backend", config.backend)
-    _check_section("registry", config.registry)
+        check_value(key, getattr(config, key))
+    check_section("search", config.search)
+    check_section("backend", config.backend)
+    check_section("registry", config.registry)
     if config.backend.name == "replay" and config.backend.replay_path is None:
         raise ConfigError(
             "backend.replay_path=null is invalid: backend=replay needs the JSON file of "
             "recorded timings (backend.replay_path=<file>)"
         )
-    device = device_profile_from(config.device)
-    _require_feasible_plan(problem, device, space_axes_from(config.search))
-    if config.registry.url is None:
-        # Resolved once, here: every later stage sees the URL it writes to.
-        config = replace(config, registry=RegistryConfig(url=default_registry_url()))
-    return ValidatedConfig(problem=problem, device=device, config=config)
+
+
+def with_registry_url(config: TunerConfig) -> TunerConfig:
+    """``config`` with the registry URL resolved (null: the data directory's plans.sqlite),
+    once, here: every later stage sees the URL it writes to."""
+    if config.registry.url is not None:
+        return config
+    return replace(config, registry=RegistryConfig(url=default_registry_url()))
+
+
+def model_selected(config: TunerConfig) -> bool:
+    """Whether ``config`` asks to tune a model (``model=<option>`` or ``model.config_json=``)."""
+    return any(getattr(config.model, key) is not None for key in _MODEL_KEYS)
+
+
+def _refuse_model_settings(model: ModelConfig) -> None:
+    # A model's keys without a model (model.prefill_lengths=[2048] alone) would be ignored.
+    defaults = ModelConfig()
+    for f in fields(ModelConfig):
+        value = getattr(model, f.name)
+        if value != getattr(defaults, f.name):
+            raise ConfigError(
+                f"model.{f.name}={format_value(value)} is invalid without a model: give "
+                "model=<name> (tuner/conf/model/) or model.config_json=<config.json>, "
+                "or leave it out to tune the one shape"
+            )
 
 
 def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceAxes) -> None:

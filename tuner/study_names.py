@@ -41,10 +41,12 @@ def study_name(
     *,
     sampler: str = "tpe",
 ) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>[-<variants>]@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
-    ``<seq_len>kv<kv_len>``; self-attention names are what they always were.
+    ``<seq_len>kv<kv_len>``; the attention variants that are on follow the mask
+    (``causal-window=4095-softcap=50``); names of problems without them are what they
+    always were.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -56,6 +58,11 @@ def study_name(
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
+    variants = problem.variant_text(separator="-")
+    if variants:
+        # Problems that differ only by a variant (Gemma 2's sliding and global layers at
+        # one shape) are different studies.
+        mask = f"{mask}-{variants}"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
     name = f"{shape}-{problem.dtype_label}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
