@@ -9,10 +9,12 @@ after, so the backend can be used from any thread and leaves the caller's
 context stack as it found it.
 
 Per problem (not per candidate) it allocates the device buffers, draws fresh
-seeded random-normal inputs, computes the float64 CPU reference (whole or
-sampled, ``kernels.parity``) and, for problems too large to check whole on the
-CPU, the scalar kernel's output on the same inputs; each candidate then costs
-a cache lookup, a module load and its launches.
+seeded random-normal inputs (``kernels.tuning_inputs``: with the ALiBi slopes and
+sink logits a variant problem needs, uploaded once, and logits in the hundreds for a
+softcap), computes the float64 CPU reference on the same values (whole or
+sampled, ``kernels.parity``) and, for float32 problems too large to check whole on the
+CPU, the scalar kernel's output on the same inputs where that kernel takes the
+problem; each candidate then costs a cache lookup, a module load and its launches.
 
 Failures are values (``Measurement.failed``): INFEASIBLE (the planner or
 ptxas's register/spill report rules it out), COMPILE, RESOURCES (the launch
@@ -34,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels import build, precision
+from kernels import build, precision, tuning_inputs
+from kernels.attention_variants import VariantValues
 from kernels.backends.base import Backend, Failure, Measurement
 from kernels.cuda_driver import CudaDriver, ctypes_argument, pack_launch
 from kernels.launch import (
@@ -105,6 +108,11 @@ class _ProblemState:
     partial_ml: Any = None
     partial_capacity: BufferElements | None = None
     scalar_output: np.ndarray | None = None
+    #: the variants' values the kernels get and the reference uses
+    variants: VariantValues = VariantValues()
+    #: device copies of the float32 ALiBi slopes and sink logits (None when off)
+    alibi_slopes: Any = None
+    sinks: Any = None
 
 
 def _has_tensor_maps(launches: tuple[KernelLaunch, ...]) -> bool:
@@ -438,11 +446,11 @@ class PyCudaBackend(Backend):
         # The scalar kernel (float32) is the GPU reference of large float32 problems;
         # half problems are checked on the CPU reference's sampled rows only.
         if parity.ok and not full_check(plan.problem) and plan.problem.dtype == "float32":
-            # Both outputs carry their own error: the difference may reach the sum.
-            against_scalar = compare(
-                output, self._scalar_output(drv, state), 2 * state.tolerance, "the scalar kernel"
-            )
-            parity = _worse(parity, against_scalar)
+            scalar = self._scalar_output(drv, state)
+            if scalar is not None:
+                # Both outputs carry their own error: the difference may reach the sum.
+                against_scalar = compare(output, scalar, 2 * state.tolerance, "the scalar kernel")
+                parity = _worse(parity, against_scalar)
         if not parity.ok:
             return Measurement(
                 measured=True,
@@ -476,23 +484,29 @@ class PyCudaBackend(Backend):
             identity += (problem.kv_heads, problem.kv_len)
         rng = np.random.default_rng([self.seed, *identity, int(problem.causal)])
         # Random normals rounded to the dtype; the reference sees the rounded values.
-        stored, host = precision.random_inputs(problem, rng)
+        inputs = tuning_inputs.tuning_inputs(problem, rng)
+        stored, host, variants = inputs.stored, inputs.values, inputs.variants
         try:
             q, k, v = (drv.to_device(array) for array in stored)
             out = drv.mem_alloc(stored[0].nbytes)
+            slopes, sinks = (
+                None if values is None else drv.to_device(values)
+                for values in (inputs.alibi_slopes, inputs.sinks)
+            )
         except drv.MemoryError as error:
             raise BackendError(
                 f"{problem.label()} does not fit in device memory: {error}"
             ) from error
-        reference = CpuReference(problem, *host, seed=self.seed)
+        reference = CpuReference(problem, *host, seed=self.seed, variants=variants)
         sampled = (reference.expected, reference.heads, reference.rows)
-        sdpa = precision.sdpa_error(problem, *host, *sampled)
+        sdpa = precision.sdpa_error(problem, *host, *sampled, variants)
         tf32 = None
         if problem.fast_tf32:
-            tf32 = precision.tf32_emulation_error(problem, *host, *sampled)
+            tf32 = precision.tf32_emulation_error(problem, *host, *sampled, variants)
         tolerance = precision.tolerance_for(problem, sdpa, tf32)
         self._state = _ProblemState(
-            problem, *host, q, k, v, out, reference, tolerance, tuple(stored)
+            problem, *host, q, k, v, out, reference, tolerance, tuple(stored),
+            variants=variants, alibi_slopes=slopes, sinks=sinks,
         )
         return self._state
 
@@ -517,6 +531,8 @@ class PyCudaBackend(Backend):
             out=int(state.out),
             partial_o=int(state.partial_o) if with_partials else 0,
             partial_ml=int(state.partial_ml) if with_partials else 0,
+            alibi_slopes=0 if state.alibi_slopes is None else int(state.alibi_slopes),
+            sinks=0 if state.sinks is None else int(state.sinks),
         )
 
     def functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:
@@ -580,8 +596,9 @@ class PyCudaBackend(Backend):
             return output
         return precision.from_storage(output, dtype)
 
-    def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray:
-        """The scalar kernel's output on this problem's inputs: the GPU reference, computed once."""
+    def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray | None:
+        """The scalar kernel's output on this problem's inputs: the GPU reference, computed once;
+        None for a variant problem the scalar family refuses (the sampled CPU rows decide)."""
         if state.scalar_output is not None:
             return state.scalar_output
         problem, device = state.problem, self.device_profile()
@@ -593,6 +610,8 @@ class PyCudaBackend(Backend):
         ):
             threads //= 2
         plan = plan_kernel(problem, KernelParams("scalar_online", threads=threads), device)
+        if problem.has_variant and not plan.feasible:
+            return None
         compiled = build.compile_kernel(plan, self.cache_dir, arch=device.arch)
         if isinstance(compiled, build.CompileFailure):
             raise BackendError(f"the scalar reference kernel does not compile: {compiled.reason}")

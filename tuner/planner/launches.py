@@ -96,7 +96,12 @@ class BufferElements:
 
 @dataclass(frozen=True, slots=True)
 class DeviceBuffers:
-    """Device addresses of the buffers (0 for a partial buffer a plan does not use)."""
+    """Device addresses of the buffers (0 for a buffer a plan or a call does not use).
+
+    ``alibi_slopes`` and ``sinks``: float32 ``[heads]`` (one per query head), 0 when the
+    problem has no ALiBi or no sinks; ``lse``: float32 ``[batch*heads*seq_len]``, each row's
+    natural-log log-sum-exp of the scaled logits (sinks included), 0 when nobody asks for it.
+    """
 
     q: int
     k: int
@@ -104,6 +109,9 @@ class DeviceBuffers:
     out: int
     partial_o: int = 0
     partial_ml: int = 0
+    alibi_slopes: int = 0
+    sinks: int = 0
+    lse: int = 0
 
 
 @dataclass(frozen=True, slots=True)
