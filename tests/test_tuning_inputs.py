@@ -149,3 +149,27 @@ def test_every_variant_at_once_runs_on_the_uploaded_slopes_and_sinks(
     assert state is not None
     np.testing.assert_array_equal(gpu.floats(sinks_at, 6), state.variants.sinks)
     assert len(launched) == 2  # the checked run and one timed run
+
+
+def test_a_run_asked_for_the_lse_gets_a_poisoned_buffer_and_reads_it_back(
+    toy: Any, gpu: FakeGpu
+) -> None:
+    problem = Problem(
+        24, 16, batch=2, heads=4, kv_heads=2, kv_len=40, causal=True, window_left=5,
+        alibi=True, sinks=True,
+    )
+    measuring = backend(flush_l2=False)
+    plan = toy_plan(problem)
+    out, lse = measuring.output(plan, problem, lse=True)
+    q, k, v = measuring.inputs(problem)
+    variants = measuring.variants(problem)
+    want_out, want_lse = reference_rows(
+        q, k, v, True, np.arange(8), np.arange(24), problem.group, variants, lse=True
+    )
+    np.testing.assert_allclose(out.reshape(8, 24, 16), want_out, atol=1e-5)
+    assert lse.shape == (8, 24) and lse.dtype == np.float32
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    gpu.ignore = "sinks"  # a kernel that leaves the sinks out of its LSE
+    _, wrong = measuring.output(plan, problem, lse=True)
+    assert np.abs(wrong - want_lse).max() > 0.1
+    assert isinstance(measuring.output(plan, problem), np.ndarray)  # not asked: no LSE

@@ -113,6 +113,8 @@ class _ProblemState:
     #: device copies of the float32 ALiBi slopes and sink logits (None when off)
     alibi_slopes: Any = None
     sinks: Any = None
+    #: float32 ``[batch*heads*seq_len]`` for the log-sum-exp, made when first asked for
+    lse: Any = None
 
 
 def _has_tensor_maps(launches: tuple[KernelLaunch, ...]) -> bool:
@@ -334,8 +336,18 @@ class PyCudaBackend(Backend):
             state = self._problem_state(drv, problem)
         return state.host_q, state.host_k, state.host_v
 
-    def output(self, plan: KernelPlan, problem: Problem) -> np.ndarray:
+    def variants(self, problem: Problem) -> VariantValues:
+        """The variants' values every candidate of ``problem`` runs with (the ALiBi slopes and
+        sinks uploaded, as float32 values) and the reference uses."""
+        with self.active() as drv:
+            return self._problem_state(drv, problem).variants
+
+    def output(
+        self, plan: KernelPlan, problem: Problem, *, lse: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """One run of ``plan`` on ``inputs(problem)``, its output copied back: no checks, no timing.
+        With ``lse``, the run is asked for each row's log-sum-exp too (``DeviceBuffers.lse``,
+        NaN-poisoned first) and returns (output, LSE ``[batch*heads, seq_len]``).
 
         Raises ``BackendError`` when the plan cannot run (``DeviceContextLost`` on a fault).
         """
@@ -345,8 +357,9 @@ class PyCudaBackend(Backend):
             raise BackendError(f"{plan.key()} does not compile: {compiled.reason}")
         with self.active() as drv:
             try:
-                state, run = self._prepare(drv, plan, compiled)
-                return self._run_once(drv, state, run)
+                state, run = self._prepare(drv, plan, compiled, lse=lse)
+                output = self._run_once(drv, state, run)
+                return (output, self._read_lse(drv, state)) if lse else output
             except _LaunchRefused as refused:
                 raise BackendError(f"{plan.key()} cannot launch: {refused}") from refused
             except _DeviceFault as fault:
@@ -369,12 +382,13 @@ class PyCudaBackend(Backend):
         self._lost_reason = str(fault)
 
     def _prepare(
-        self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel
+        self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel, lse: bool = False
     ) -> tuple[_ProblemState, Callable[[], None]]:
-        """The problem's state and a closure launching ``plan`` once (nothing run yet)."""
+        """The problem's state and a closure launching ``plan`` once (nothing run yet); with
+        ``lse`` the launches write the log-sum-exp too."""
         state = self._problem_state(drv, plan.problem)
         functions = self.functions(drv, compiled)
-        launches = launch_sequence(plan, self._buffers(drv, state, plan))
+        launches = launch_sequence(plan, self._buffers(drv, state, plan, lse))
         if _has_tensor_maps(launches):
             return state, self._driver_launcher(compiled, launches)
 
@@ -510,8 +524,15 @@ class PyCudaBackend(Backend):
         )
         return self._state
 
-    def _buffers(self, drv: Any, state: _ProblemState, plan: KernelPlan) -> DeviceBuffers:
+    def _buffers(
+        self, drv: Any, state: _ProblemState, plan: KernelPlan, lse: bool = False
+    ) -> DeviceBuffers:
         needed = buffer_elements(plan)
+        if lse and state.lse is None:
+            try:
+                state.lse = drv.mem_alloc(4 * state.problem.batch_heads * state.problem.seq_len)
+            except drv.MemoryError as error:
+                raise _LaunchRefused(f"the LSE buffer does not fit: {error}") from error
         capacity = state.partial_capacity
         if needed.partial_o and (capacity is None or capacity.partial_o < needed.partial_o):
             state.partial_o = state.partial_ml = state.partial_capacity = None
@@ -533,6 +554,7 @@ class PyCudaBackend(Backend):
             partial_ml=int(state.partial_ml) if with_partials else 0,
             alibi_slopes=0 if state.alibi_slopes is None else int(state.alibi_slopes),
             sinks=0 if state.sinks is None else int(state.sinks),
+            lse=int(state.lse) if lse else 0,
         )
 
     def functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:
@@ -583,6 +605,9 @@ class PyCudaBackend(Backend):
             if state.partial_capacity is not None:
                 drv.memset_d32(state.partial_o, NAN_BITS, state.partial_capacity.partial_o)
                 drv.memset_d32(state.partial_ml, NAN_BITS, state.partial_capacity.partial_ml)
+            if state.lse is not None:
+                rows = state.problem.batch_heads * state.problem.seq_len
+                drv.memset_d32(state.lse, NAN_BITS, rows)
         except drv.Error as error:
             raise _DeviceFault(f"poisoning the output: {error}") from error
         run()
@@ -595,6 +620,15 @@ class PyCudaBackend(Backend):
         if dtype == "float32":
             return output
         return precision.from_storage(output, dtype)
+
+    def _read_lse(self, drv: Any, state: _ProblemState) -> np.ndarray:
+        """The LSE buffer after a run, ``[batch*heads, seq_len]`` float32."""
+        lse = np.empty((state.problem.batch_heads, state.problem.seq_len), dtype=np.float32)
+        try:
+            drv.memcpy_dtoh(lse, state.lse)
+        except drv.Error as error:
+            raise _DeviceFault(str(error)) from error
+        return lse
 
     def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray | None:
         """The scalar kernel's output on this problem's inputs: the GPU reference, computed once;
