@@ -17,7 +17,9 @@ tensors.
 ``check_inputs`` checks every argument (kind, dtype, rank, contiguity) and their agreement
 (kind, dtype, shape, torch device, ``out`` writable and apart from the inputs) without a CUDA call;
 ``AttentionInputError`` (a ``TunerError`` and a ``ValueError``; ``AttentionInputTypeError`` also
-a ``TypeError``) names the argument, what it was and what is expected.
+a ``TypeError``) names the argument, what it was and what is expected. The variants' arguments
+(window, softcap, ALiBi slopes, sinks, scale) are ``kernels.variant_args``'s to check;
+``problem_of`` takes what that made of them.
 
 The interface carries no device, so for non-torch arrays ``interface_device`` asks the driver
 for the device, memory type and owning context of each pointer (``cuPointerGetAttributes`` in
@@ -32,7 +34,7 @@ import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +48,9 @@ from tuner.problem import (
     Problem,
     shape_error,
 )
+
+if TYPE_CHECKING:
+    from kernels.variant_args import VariantArgs
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
 KV_LAYOUT = "[batch, kv_heads, kv_len, head_dim]"
@@ -329,7 +334,7 @@ def check_causal(causal: Any) -> bool:
 
 
 def problem_of(
-    inputs: Inputs, causal: bool, precision: str = "", variants: Any = None
+    inputs: Inputs, causal: bool, precision: str = "", variants: VariantArgs | None = None
 ) -> Problem:
     """The problem checked inputs pose: what a handle is resolved (and cached) for; kv_heads
     and kv_len from k's shape; ``precision`` as ``check_precision`` returned it; ``variants``

@@ -251,7 +251,14 @@ def result(gpu: FakeGpu, out: FakeTensor) -> np.ndarray:
 def test_every_variant_runs_with_the_callers_values(toy: Any, gpu: FakeGpu, registry) -> None:
     host, (q, k, v) = inputs_on(gpu)
     slopes, sinks = alibi_slopes(6), np.array([0.5, 3.0, -1.0, 2.0, 6.0, 0.0])
-    attend = ka.Attention(CountingRegistry(registry))
+    asked: list[Problem] = []
+
+    class Asked(CountingRegistry):
+        def cached_best(self, problem: Problem, *args: Any, **kwargs: Any) -> Any:
+            asked.append(problem)
+            return super().cached_best(problem, *args, **kwargs)
+
+    attend = ka.Attention(Asked(registry))
     out = attend(
         q, k, v, True, window=(9, 0), softcap=4.0, alibi_slopes=device_tensor(gpu, slopes),
         sinks=device_tensor(gpu, sinks), scale=0.3,
@@ -261,7 +268,8 @@ def test_every_variant_runs_with_the_callers_values(toy: Any, gpu: FakeGpu, regi
         sinks=sinks, scale=0.3,
     )
     np.testing.assert_allclose(result(gpu, out), want, atol=1e-5)
-    (problem,) = attend._runners[0]._handles  # the registry was asked for this problem
+    (problem,) = attend._runners[0]._handles
+    assert set(asked) == {problem}  # the registry was asked for this problem only
     assert problem == Problem(
         40, 16, batch=2, heads=6, kv_heads=3, kv_len=56, causal=True, window_left=9,
         softcap=4.0, alibi=True, sinks=True,
