@@ -1,7 +1,8 @@
 """``python -m db``: query, export, import and upgrade the plan registry.
 
     python -m db best --seq-len 4096 --head-dim 128 [--nearest] [--json]
-    python -m db list [--json]
+    python -m db best --seq-len 16384 --head-dim 128 --causal --window-left 4096 --softcap 50
+    python -m db list [--json] [--dtype D] [--window-left N] [--softcap X] [--alibi] [--plain]
     python -m db history [--seq-len N --head-dim D] [--limit 20] [--json]
     python -m db export plans.json     (or - for standard output)
     python -m db import plans.json
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
@@ -80,6 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="float32 only: tf32x3 (the default) or tf32 (one-pass TF32 plans)",
     )
     shape.add_argument(
+        "--window-left",
+        type=_window_bound,
+        default=-1,
+        help="sliding window: keys a row sees before its diagonal (-1, the default: no bound)",
+    )
+    shape.add_argument(
+        "--window-right",
+        type=_window_bound,
+        default=-1,
+        help="sliding window: keys a row sees after its diagonal (-1, the default: no bound)",
+    )
+    shape.add_argument(
+        "--softcap", type=_softcap, default=0.0, help="logit softcap (0, the default: none)"
+    )
+    shape.add_argument("--alibi", action="store_true", help="ALiBi biases")
+    shape.add_argument("--sinks", action="store_true", help="attention sinks")
+    shape.add_argument(
         "--gpu-name",
         help="restrict to environments with this GPU (and the fields below, where given)",
     )
@@ -112,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     listing.add_argument(
         "--dtype", choices=SUPPORTED_DTYPES, help="only shapes of this dtype (default: all)"
+    )
+    listing.add_argument(
+        "--window-left", type=_window_bound, help="only shapes with this window_left (-1: none)"
+    )
+    listing.add_argument(
+        "--window-right", type=_window_bound, help="only shapes with this window_right (-1: none)"
+    )
+    listing.add_argument("--softcap", type=_softcap, help="only shapes with this softcap (0: none)")
+    listing.add_argument("--alibi", action="store_true", help="only shapes with ALiBi")
+    listing.add_argument("--sinks", action="store_true", help="only shapes with sinks")
+    listing.add_argument(
+        "--plain", action="store_true", help="only shapes without any variant"
     )
     history = commands.add_parser(
         "history", parents=[common, shape, hashes], help="recorded plans, newest first"
@@ -166,6 +197,41 @@ def _positive(text: str) -> int:
     return value
 
 
+def _window_bound(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"{value} is neither >= 0 nor -1 (no bound)")
+    return value
+
+
+def _softcap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0 (0: no cap)")
+    return value
+
+
+def _listed(args: argparse.Namespace, problem: Problem) -> bool:
+    """Whether ``list``'s filters keep a shape: each filter given must match."""
+    wanted = {
+        "dtype": args.dtype,
+        "window_left": args.window_left,
+        "window_right": args.window_right,
+        "softcap": args.softcap,
+        "alibi": args.alibi or None,
+        "sinks": args.sinks or None,
+    }
+    if args.plain and problem.has_variant:
+        return False
+    return all(value is None or getattr(problem, name) == value for name, value in wanted.items())
+
+
 def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
     if args.seq_len is None and args.head_dim is None and not required:
         return None
@@ -186,6 +252,11 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         kv_heads=args.kv_heads,
         kv_len=args.kv_len,
         precision=args.precision or "",
+        window_left=args.window_left,
+        window_right=args.window_right,
+        softcap=args.softcap,
+        alibi=args.alibi,
+        sinks=args.sinks,
     )
 
 
@@ -288,9 +359,7 @@ def run(args: argparse.Namespace, measuring: Callable[[], Measuring] | None = No
             return 0
         if args.command == "list":
             plans = registry.list_best(source_hashes=hashes)
-            if args.dtype is not None:
-                plans = [plan for plan in plans if plan.problem.dtype == args.dtype]
-            _emit(args, plans)
+            _emit(args, [plan for plan in plans if _listed(args, plan.problem)])
             return 0
         problem = _problem(args, required=False)
         _emit(

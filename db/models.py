@@ -29,6 +29,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     bindparam,
+    false,
     select,
 )
 from sqlalchemy.engine import Dialect
@@ -103,7 +104,7 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
+def problem_identity(problem: Problem) -> dict[str, int | bool | str | float]:
     return {
         "seq_len": problem.seq_len,
         "head_dim": problem.head_dim,
@@ -114,6 +115,11 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
         "kv_heads": problem.kv_heads,
         "kv_len": problem.kv_len,
         "precision": problem.precision,
+        "window_left": problem.window_left,
+        "window_right": problem.window_right,
+        "softcap": problem.softcap,
+        "alibi": problem.alibi,
+        "sinks": problem.sinks,
     }
 
 
@@ -193,6 +199,11 @@ class ProblemRow(Base):
             "heads",
             "kv_heads",
             "kv_len",
+            "window_left",
+            "window_right",
+            "softcap",
+            "alibi",
+            "sinks",
             name="uq_problems_shape",
         ),
     )
@@ -211,6 +222,13 @@ class ProblemRow(Base):
     # Added by revision 0005: "tf32x3" or "tf32" for float32 (rows from before it
     # read as "tf32x3", the accurate precision), "" for the half dtypes.
     precision: Mapped[str] = mapped_column(String(16), server_default="")
+    # Added by revision 0006: the attention variants (tuner.problem.Problem); rows from
+    # before it are plain attention: no window (-1, -1), no softcap (0), no ALiBi, no sinks.
+    window_left: Mapped[int] = mapped_column(Integer, server_default="-1")
+    window_right: Mapped[int] = mapped_column(Integer, server_default="-1")
+    softcap: Mapped[float] = mapped_column(Double, server_default="0")
+    alibi: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    sinks: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -218,17 +236,7 @@ class ProblemRow(Base):
 
     @classmethod
     def from_problem(cls, problem: Problem) -> ProblemRow:
-        return cls(
-            seq_len=problem.seq_len,
-            head_dim=problem.head_dim,
-            batch=problem.batch,
-            heads=problem.heads,
-            causal=problem.causal,
-            dtype=problem.dtype,
-            kv_heads=problem.kv_heads,
-            kv_len=problem.kv_len,
-            precision=problem.precision,
-        )
+        return cls(**problem_identity(problem))
 
     def to_problem(self) -> Problem:
         return Problem(
@@ -241,6 +249,11 @@ class ProblemRow(Base):
             kv_heads=self.kv_heads,
             kv_len=self.kv_len,
             precision=self.precision,
+            window_left=self.window_left,
+            window_right=self.window_right,
+            softcap=self.softcap,
+            alibi=self.alibi,
+            sinks=self.sinks,
         )
 
 
@@ -273,7 +286,7 @@ class PlanRow(Base):
     study_name: Mapped[str | None] = mapped_column(String(256))
     trial_number: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    # Added by revision 0006: why ``python -m db verify`` took the plan out of service;
+    # Added by revision 0007: why ``python -m db verify`` took the plan out of service;
     # "" (every row from before) means served.
     disabled_reason: Mapped[str] = mapped_column(Text, server_default="")
 

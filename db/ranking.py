@@ -13,8 +13,10 @@ the plan already there. A plan is *stale* when it was measured and the caller's
 there is nothing to judge by.
 
 Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
-share head_dim, dtype, precision, causal and the group size (query heads per
-KV head) with the asked problem. They are ordered by
+share head_dim, dtype, precision, causal, the group size (query heads per
+KV head) and the attention variants (window bounds, softcap, ALiBi, sinks: a
+windowed problem is never served a dense plan, nor a dense one a windowed plan)
+with the asked problem. They are ordered by
 
 1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len (query length:
    a decode plan never stands in for a prefill one while a nearer length exists),
@@ -88,4 +90,9 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
         and candidate.precision == asked.precision
         and candidate.causal == asked.causal
         and candidate.group == asked.group
+        and candidate.window_left == asked.window_left
+        and candidate.window_right == asked.window_right
+        and candidate.softcap == asked.softcap
+        and candidate.alibi == asked.alibi
+        and candidate.sinks == asked.sinks
     )

@@ -50,12 +50,19 @@ _FROM = (
 _RECORD_FIELDS = [f.name for f in fields(PlanRecord)]
 _ENVIRONMENT_FIELDS = [f.name for f in fields(Environment)]
 
+#: what a plan may stand in for another shape only if it shares: the variants included, so a
+#: windowed problem is never served a dense plan (nor one of another window) or the reverse
 SHAPE_FAMILY_TERMS = (
     "q.head_dim = :head_dim",
     "q.dtype = :dtype",
     "q.precision = :precision",
     "q.causal = :causal",
     "q.heads = q.kv_heads * :group",
+    "q.window_left = :window_left",
+    "q.window_right = :window_right",
+    "q.softcap = :softcap",
+    "q.alibi = :alibi",
+    "q.sinks = :sinks",
 )
 EXACT_SHAPE_TERMS = (
     *SHAPE_FAMILY_TERMS,
@@ -153,6 +160,11 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
         "precision": problem.precision,
         "causal": problem.causal,
         "group": problem.group,
+        "window_left": problem.window_left,
+        "window_right": problem.window_right,
+        "softcap": problem.softcap,
+        "alibi": problem.alibi,
+        "sinks": problem.sinks,
     }
     if exact:
         params |= {
@@ -185,7 +197,8 @@ def best_pointers(
     connection: Connection, problem: Problem, environment: EnvironmentMatch | None, *, exact: bool
 ) -> list[FoundPlan]:
     """The best-pointer plans of ``problem`` (exact) or of its shape family (same
-    head_dim, dtype, precision, causal), in the environment(s) ``environment`` matches or in any."""
+    head_dim, dtype, precision, causal, group and variants), in the environment(s)
+    ``environment`` matches or in any."""
     where = EXACT_SHAPE_TERMS if exact else SHAPE_FAMILY_TERMS
     params = _problem_params(problem, exact=exact)
     if environment is not None:
@@ -265,6 +278,6 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 def every_best(connection: Connection) -> list[FoundPlan]:
     order = (
         "q.head_dim, q.dtype, q.precision, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads,"
-        " q.kv_len, e.id"
+        " q.kv_len, q.window_left, q.window_right, q.softcap, q.alibi, q.sinks, e.id"
     )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

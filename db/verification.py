@@ -6,7 +6,7 @@ and median time, the tuner's own measurement: ``measure`` is a backend as
 ``python -m tuner`` builds it), and reports each plan's drift, the time now over
 the time stored. A plan that fails (wrong answer, no longer compiles or launches)
 or has become slower than ``threshold`` x its stored time is disabled in the
-registry with the reason (``PlanRegistry.disable``, migration 0006): it is no
+registry with the reason (``PlanRegistry.disable``, migration 0007): it is no
 longer served, and the next best plan of its problem is, which is verified in
 turn. The backend is injected, so the logic is tested without a GPU.
 """

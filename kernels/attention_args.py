@@ -17,7 +17,9 @@ tensors.
 ``check_inputs`` checks every argument (kind, dtype, rank, contiguity) and their agreement
 (kind, dtype, shape, torch device, ``out`` writable and apart from the inputs) without a CUDA call;
 ``AttentionInputError`` (a ``TunerError`` and a ``ValueError``; ``AttentionInputTypeError`` also
-a ``TypeError``) names the argument, what it was and what is expected.
+a ``TypeError``) names the argument, what it was and what is expected. The variants' arguments
+(window, softcap, ALiBi slopes, sinks, scale) are ``kernels.variant_args``'s to check;
+``problem_of`` takes what that made of them.
 
 The interface carries no device, so for non-torch arrays ``interface_device`` asks the driver
 for the device, memory type and owning context of each pointer (``cuPointerGetAttributes`` in
@@ -32,7 +34,7 @@ import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +48,9 @@ from tuner.problem import (
     Problem,
     shape_error,
 )
+
+if TYPE_CHECKING:
+    from kernels.variant_args import VariantArgs
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
 KV_LAYOUT = "[batch, kv_heads, kv_len, head_dim]"
@@ -328,11 +333,28 @@ def check_causal(causal: Any) -> bool:
     return bool(causal)
 
 
-def problem_of(inputs: Inputs, causal: bool, precision: str = "") -> Problem:
+def problem_of(
+    inputs: Inputs, causal: bool, precision: str = "", variants: VariantArgs | None = None
+) -> Problem:
     """The problem checked inputs pose: what a handle is resolved (and cached) for; kv_heads
-    and kv_len from k's shape; ``precision`` as ``check_precision`` returned it."""
+    and kv_len from k's shape; ``precision`` as ``check_precision`` returned it; ``variants``
+    (``kernels.variant_args.VariantArgs``, None for none): the window, the softcap, and
+    whether ALiBi slopes and sinks are given (never their values, nor the scale)."""
+    if variants is None:
+        return problem_from_shapes(
+            inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal, precision
+        )
     return problem_from_shapes(
-        inputs.q.shape, inputs.k.shape, inputs.q.dtype, causal, precision
+        inputs.q.shape,
+        inputs.k.shape,
+        inputs.q.dtype,
+        causal,
+        precision,
+        window_left=variants.window_left,
+        window_right=variants.window_right,
+        softcap=variants.softcap,
+        alibi=variants.alibi_slopes is not None,
+        sinks=variants.sinks is not None,
     )
 
 
@@ -342,9 +364,12 @@ def problem_from_shapes(
     dtype: str,
     causal: bool,
     precision: str = "",
+    **variants: Any,
 ) -> Problem:
-    """The problem of q's and k's (checked) shapes; ``AttentionInputError`` when causal
-    masking leaves query rows without a key (``seq_len > kv_len``)."""
+    """The problem of q's and k's (checked) shapes and the variants (``Problem``'s
+    ``window_left``, ``window_right``, ``softcap``, ``alibi``, ``sinks``); an
+    ``AttentionInputError`` when causal masking leaves query rows without a key
+    (``seq_len > kv_len``)."""
     batch, heads, seq_len, head_dim = q_shape
     _, kv_heads, kv_len, _ = kv_shape
     reason = shape_error(seq_len, heads, causal, kv_heads, kv_len)
@@ -360,6 +385,7 @@ def problem_from_shapes(
         kv_heads=kv_heads,
         kv_len=kv_len,
         precision=precision,
+        **variants,
     )
 
 
@@ -367,11 +393,22 @@ def problem_from_shapes(
 
 
 def torch_signature(
-    q: Any, k: Any, v: Any, causal: bool, precision: str | None = None
+    q: Any,
+    k: Any,
+    v: Any,
+    causal: bool,
+    precision: str | None = None,
+    window: Any = (-1, -1),
+    softcap: Any = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> tuple[Any, ...]:
     """What a call on torch tensors (``type(q) is type(k) is type(v) is torch.Tensor``) is
-    keyed by: every property of q, k and v the problem and device follow from. A signature seen
-    before passed ``check_inputs`` then; ``torch_pointers`` checks what it does not cover."""
+    keyed by: every property of q, k and v the problem and device follow from, and of the
+    variants (the window and softcap as given; the slopes' and sinks' dtype, shape and device,
+    not their values; never the scale). A signature seen before passed ``check_inputs`` and
+    ``kernels.variant_args.check_variants`` then; ``torch_pointers`` checks what it does not
+    cover. The caller makes sure ``window`` is hashable (a tuple of ints)."""
     return (
         q.shape,
         k.shape,
@@ -384,23 +421,50 @@ def torch_signature(
         v.get_device(),
         causal,
         precision,
+        window,
+        softcap,
+        None if alibi_slopes is None else _vector_signature(alibi_slopes),
+        None if sinks is None else _vector_signature(sinks),
     )
 
 
+def _vector_signature(values: Any) -> tuple[Any, ...]:
+    return (values.dtype, values.shape, values.get_device())
+
+
 def torch_pointers(
-    q: Any, k: Any, v: Any, out: Any, nbytes: int, torch: Any, kv_nbytes: int | None = None
-) -> tuple[int, int, int] | None:
-    """q, k, v's addresses when a call with a known signature needs no other check, else None
-    (the caller then runs ``check_inputs``, which says what is wrong): each contiguous, no
-    gradient asked for, ``out`` (if given) a contiguous tensor like q apart from the inputs.
-    ``nbytes``: the bytes of q and of out; ``kv_nbytes`` of k and of v (default ``nbytes``)."""
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    nbytes: int,
+    torch: Any,
+    kv_nbytes: int | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+) -> tuple[int, int, int, int, int] | None:
+    """q, k, v's, the slopes' and the sinks' addresses (0 for those not given) when a call
+    with a known signature needs no other check, else None (the caller then runs the checks,
+    which say what is wrong): each contiguous, no gradient asked for, ``out`` (if given) a
+    contiguous tensor like q apart from the inputs. ``nbytes``: the bytes of q and of out;
+    ``kv_nbytes`` of k and of v (default ``nbytes``)."""
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return None
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return None
+    slopes_at = sinks_at = 0
+    for values in (alibi_slopes, sinks):
+        if values is not None and (
+            not values.is_contiguous() or (values.requires_grad and torch.is_grad_enabled())
+        ):
+            return None
+    if alibi_slopes is not None:
+        slopes_at = alibi_slopes.data_ptr()
+    if sinks is not None:
+        sinks_at = sinks.data_ptr()
     q_at, k_at, v_at = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if out is None:
-        return q_at, k_at, v_at
+        return q_at, k_at, v_at, slopes_at, sinks_at
     if (
         type(out) is not type(q)
         or out.shape != q.shape
@@ -418,10 +482,14 @@ def torch_pointers(
         or (v_at < out_end and out_at < v_at + kv_nbytes)
     ):
         return None
-    return q_at, k_at, v_at
+    heads_bytes = 4 * q.shape[1]  # the float32 [heads] arrays
+    for at in (slopes_at, sinks_at):
+        if at and at < out_end and out_at < at + heads_bytes:
+            return None
+    return q_at, k_at, v_at, slopes_at, sinks_at
 
 
-def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> None:
+def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
     """``check_inputs`` for tensors without storage (torch's fake tensors, while
     ``torch.compile`` traces): every check but those of addresses and gradients."""
     arrays = [("q", q), ("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
@@ -434,6 +502,7 @@ def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> None:
             )
         described.append(_describe_tensor(name, value, torch, pointer=False))
     _check_agreement(*described)
+    return Inputs(*described[:3], described[3] if out is not None else None)
 def check_precision(precision: Any, dtype: str) -> str:
     """The problem precision of a call: "tf32x3" (the float32 default: float32-class
     error) or "tf32" (one-pass TF32 plans may serve it) for float32; "" for half dtypes,
@@ -526,6 +595,11 @@ def device_of(arrays: Sequence[DeviceArray], facts: Sequence[PointerFacts | None
     return device if device is not None else 0
 
 
-def interface_device(inputs: Inputs) -> tuple[int, list[PointerFacts | None]]:
-    facts = [query_pointer(array.pointer) for array in inputs.arrays]
-    return device_of(inputs.arrays, facts), facts
+def interface_device(
+    inputs: Inputs, extra: Sequence[DeviceArray] = ()
+) -> tuple[int, list[PointerFacts | None]]:
+    """The GPU of the interface arrays (``extra``: the variants' per-head arrays too) and the
+    driver's facts on each, in ``(*inputs.arrays, *extra)`` order."""
+    arrays = (*inputs.arrays, *extra)
+    facts = [query_pointer(array.pointer) for array in arrays]
+    return device_of(arrays, facts), facts

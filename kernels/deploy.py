@@ -9,12 +9,13 @@
     out = attend(q, k, v, causal=True)
 
 ``kernels.attention`` is the function ``attention`` here (``kernels`` loads this module on first
-use). The first call of a problem (shape, dtype, causal) on a GPU resolves it into a handle
-(``kernels.backends.attention_handle``): the plan, asked of the registry once, the loaded kernels,
-launch geometry, split scratch and packed arguments. A later call with torch tensors is a
-dictionary hit on the call's signature (shapes, dtypes, devices, causal), a few attribute reads
-that stand for the argument checks, the output's allocation (none with ``out=``) and the launch
-on torch's current stream: no host synchronisation, so it is captured by ``torch.cuda.graph``
+use). The first call of a problem (shape, dtype, causal, variants) on a GPU resolves it into a
+handle (``kernels.backends.attention_handle``): the plan, asked of the registry once, the loaded
+kernels, launch geometry, split scratch and packed arguments. A later call with torch tensors is
+a dictionary hit on the call's signature (shapes, dtypes, devices, causal, window, softcap,
+whether slopes and sinks are given), a few attribute reads that stand for the argument checks,
+the output's allocation (none with ``out=``) and the launch on torch's current stream: no host
+synchronisation, so it is captured by ``torch.cuda.graph``
 (call it once before capturing: the first call compiles and loads). Under ``torch.compile`` the
 call becomes the custom op ``flash_attention_tuner::attention`` (``kernels.torch_op``), so a
 compiled model has no graph break.
@@ -26,6 +27,10 @@ The pieces:
   expected); q, k, v (and ``out``) share one dtype: float32, bfloat16 or float16 (bfloat16 only
   as torch tensors: ``__cuda_array_interface__`` has no name for it); k and v may have fewer
   heads (GQA) and another length (a KV cache; causal is bottom-right aligned), inferred there;
+* ``kernels.variant_args``: the variants' arguments (``window=(left, right)``, ``softcap``,
+  ``alibi_slopes`` and ``sinks`` as float32 ``[heads]`` arrays, ``scale``), checked alike; the
+  problem asked of the registry has the window, the softcap and whether slopes and sinks are
+  given, never their values nor the scale, which the handle writes per call;
 * ``kernels.plan_choice``: the plan of each problem, asked of the registry once per problem and
   GPU, with the planner's default plan for that dtype as a fallback (``origin="default"``) and
   one warning (logger ``kernels.attention``) where none fits or the registry cannot be opened;
@@ -35,6 +40,7 @@ The pieces:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -52,7 +58,9 @@ from kernels.attention_args import (
     torch_pointers,
     torch_signature,
 )
+from kernels.attention_variants import LOG2E
 from kernels.plan_choice import ChosenPlan
+from kernels.variant_args import NO_WINDOW, check_variants
 from tuner.data_dir import default_registry_file
 from tuner.environment import Environment
 from tuner.errors import TunerError
@@ -121,55 +129,107 @@ class Attention:
         *,
         out: Any = None,
         precision: str | None = None,
+        window: tuple[int, int] = NO_WINDOW,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
+        sinks: Any = None,
+        scale: float | None = None,
     ) -> Any:
+        variants = (window, softcap, alibi_slopes, sinks, scale)
         torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
         if torch is not None and torch.compiler.is_compiling():
             # torch.compile traces this: the custom op stands for the call in the graph.
             from kernels import torch_op
 
             named = self.registry_url, self._registry, self.nearest
-            return torch_op.traced_call(*named, q, k, v, causal, out, precision)
-        return self.call_eager(q, k, v, causal, out, precision)
+            return torch_op.traced_call(*named, q, k, v, causal, out, precision, *variants)
+        return self.call_eager(q, k, v, causal, out, precision, *variants)
 
     def call_eager(
-        self, q: Any, k: Any, v: Any, causal: Any, out: Any, precision: str | None = None
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        causal: Any,
+        out: Any,
+        precision: str | None = None,
+        window: Any = NO_WINDOW,
+        softcap: Any = 0.0,
+        alibi_slopes: Any = None,
+        sinks: Any = None,
+        scale: Any = None,
     ) -> Any:
         """The call outside torch.compile's tracing (``__call__`` less that check)."""
         torch = sys.modules.get("torch")
         plain = torch is not None and type(q) is torch.Tensor and type(k) is type(q) is type(v)
         # 1 == True: refused, not a key hit; a precision other than None or a str goes to
-        # the checks too (which refuse it) rather than into a dict key.
+        # the checks too (which refuse it) rather than into a dict key; so do variants of
+        # any but their plain types.
         if (
             plain
             and (causal is True or causal is False)
             and (precision is None or type(precision) is str)
+            and _plain_variants(torch, window, softcap, alibi_slopes, sinks, scale)
         ):
-            handle = self._torch_handles.get(torch_signature(q, k, v, causal, precision))
+            signature = torch_signature(
+                q, k, v, causal, precision, window, softcap, alibi_slopes, sinks
+            )
+            handle = self._torch_handles.get(signature)
             if handle is not None:
                 pointers = torch_pointers(
-                    q, k, v, out, handle.tensor_bytes, torch, handle.kv_tensor_bytes
+                    q, k, v, out, handle.tensor_bytes, torch, handle.kv_tensor_bytes,
+                    alibi_slopes, sinks,
                 )
                 if pointers is not None:
-                    return handle.run_torch(q, *pointers, out, torch)
-        return self._checked_call(q, k, v, causal, out, precision)
+                    q_at, k_at, v_at, slopes_at, sinks_at = pointers
+                    return handle.run_torch(
+                        q, q_at, k_at, v_at, out, torch, slopes_at, sinks_at,
+                        None if scale is None else scale * LOG2E,
+                    )
+        return self._checked_call(
+            q, k, v, causal, out, precision, window, softcap, alibi_slopes, sinks, scale
+        )
 
     def _checked_call(
-        self, q: Any, k: Any, v: Any, causal: Any, out: Any, precision: str | None
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        causal: Any,
+        out: Any,
+        precision: str | None,
+        window: Any,
+        softcap: Any,
+        alibi_slopes: Any,
+        sinks: Any,
+        scale: Any,
     ) -> Any:
         """The first call of a signature, and any call the fast path declines: every check."""
         inputs = check_inputs(q, k, v, out)
         causal = check_causal(causal)
-        problem = problem_of(inputs, causal, check_precision(precision, inputs.q.dtype))
+        variants = check_variants(inputs, window, softcap, alibi_slopes, sinks, scale)
+        precision_asked = check_precision(precision, inputs.q.dtype)
+        problem = problem_of(inputs, causal, precision_asked, variants)
         if inputs.q.is_torch:
             torch = sys.modules["torch"]
             handle = self._runner(inputs.q.device or 0).handle(problem)
             plain = type(q) is torch.Tensor and type(k) is type(q) is type(v)
-            if plain and type(causal) is bool:  # what the fast path looks up
-                self._torch_handles[torch_signature(q, k, v, causal, precision)] = handle
+            # What the fast path looks up (the plain types it takes, as given).
+            if (
+                plain
+                and type(causal) is bool
+                and _plain_variants(torch, window, softcap, alibi_slopes, sinks, scale)
+            ):
+                signature = torch_signature(
+                    q, k, v, causal, precision, window, softcap, alibi_slopes, sinks
+                )
+                self._torch_handles[signature] = handle
             pointers = (inputs.q.pointer, inputs.k.pointer, inputs.v.pointer)
-            return handle.run_torch(q, *pointers, out, torch)
-        device, facts = interface_device(inputs)
-        return self._runner(device).run_arrays(inputs, problem, facts)
+            return handle.run_torch(
+                q, *pointers, out, torch, *variants.pointers, variants.scale_log2
+            )
+        device, facts = interface_device(inputs, variants.arrays)
+        return self._runner(device).run_arrays(inputs, problem, facts, variants)
 
     def handle(self, problem: Problem, device: int = 0) -> AttentionHandle:
         """The handle ``problem`` runs with on GPU ``device`` (resolved now if not yet)."""
@@ -275,26 +335,64 @@ def attention(
     out: Any = None,
     nearest: bool = False,
     precision: str | None = None,
+    window: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    scale: float | None = None,
 ) -> Any:
-    """softmax(q k^T / sqrt(head_dim)) v with the tuned plan of this problem; see the module doc.
+    """softmax(q k^T * scale) v with the tuned plan of this problem; see the module doc.
 
     Returns a new array of q's kind and dtype (a torch tensor, else a GPUArray), or ``out``
     filled. bfloat16 and float16 run the best plan stored for that dtype (tensor-core kernels).
     float32 runs the plan stored for ``precision``: "tf32x3" (None means it: float32-class
     error, SIMT or 3xTF32 plans) or "tf32" (one-pass TF32 plans too); a plan tuned under
     "tf32" is never served to a "tf32x3" call.
+
+    Variants (``kernels.variant_args``; FlashAttention's conventions): ``window=(left,
+    right)``, -1 for no bound on a side (a single int is refused); ``softcap`` >= 0;
+    ``alibi_slopes`` and ``sinks``: float32 ``[heads]`` arrays of q's kind on q's GPU;
+    ``scale``: the softmax scale, None for ``1/sqrt(head_dim)``. The plan is the one tuned
+    for the window, softcap, ALiBi and sinks as given (never another variant's); slopes,
+    sinks and the scale are read per call.
     Under ``torch.compile``, ``registry`` must be None or a URL.
     """
+    variants = (window, softcap, alibi_slopes, sinks, scale)
     torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
     if torch is not None and torch.compiler.is_compiling():
         # torch.compile traces this: the custom op stands for the call in the graph.
         from kernels import torch_op
 
         url = registry if isinstance(registry, str) else None
-        return torch_op.traced_call(url, registry, nearest, q, k, v, causal, out, precision)
+        return torch_op.traced_call(
+            url, registry, nearest, q, k, v, causal, out, precision, *variants
+        )
     shared = registry is None or type(registry) is str
     found = _instances.get((registry, nearest)) if shared else None
     if found is None:
         found = default_instance(registry, nearest=nearest)
-    return found.call_eager(q, k, v, causal, out, precision)
+    return found.call_eager(q, k, v, causal, out, precision, *variants)
+
+
+def _plain_variants(
+    torch: Any, window: Any, softcap: Any, alibi_slopes: Any, sinks: Any, scale: Any
+) -> bool:
+    """Whether the variant arguments are of the types the fast path keys on as given: a tuple
+    of two ints, a float or int softcap (not a bool), tensors or None, a float scale > 0 or
+    None. Anything else takes the checks, which refuse it or take it on their path."""
+    return (
+        (
+            window is NO_WINDOW
+            or (
+                type(window) is tuple
+                and len(window) == 2
+                and type(window[0]) is int
+                and type(window[1]) is int
+            )
+        )
+        and (type(softcap) is float or type(softcap) is int)
+        and (alibi_slopes is None or type(alibi_slopes) is torch.Tensor)
+        and (sinks is None or type(sinks) is torch.Tensor)
+        and (scale is None or (type(scale) is float and 0 < scale < math.inf))
+    )
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.attention_variants import VariantValues
 from kernels.reference import attention_reference, reference_rows
 from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
 from tuner.problem import Problem
@@ -96,12 +97,23 @@ def compare(
 
 
 class CpuReference:
-    """The float64 reference of one problem's inputs, computed once and reused per candidate."""
+    """The float64 reference of one problem's inputs, computed once and reused per candidate.
+
+    ``variants``: the problem's variants with the slopes and sinks the kernel runs with
+    (default: the problem's own, which suffices unless it has ALiBi or sinks).
+    """
 
     def __init__(
-        self, problem: Problem, q: np.ndarray, k: np.ndarray, v: np.ndarray, seed: int = 0
+        self,
+        problem: Problem,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        seed: int = 0,
+        variants: VariantValues | None = None,
     ) -> None:
         self.problem = problem
+        self.variants = VariantValues.of(problem) if variants is None else variants
         self.full = full_check(problem)
         shape = (problem.batch_heads, problem.seq_len, problem.head_dim)
         kv_shape = (problem.batch_kv_heads, problem.kv_len, problem.head_dim)
@@ -109,11 +121,13 @@ class CpuReference:
         if self.full:
             self.heads = np.arange(problem.batch_heads)
             self.rows = np.arange(problem.seq_len)
-            self.expected = attention_reference(q, k, v, problem.causal, problem.group)
+            self.expected = attention_reference(
+                q, k, v, problem.causal, problem.group, self.variants
+            )
         else:
             self.heads, self.rows = sample_indices(problem, np.random.default_rng(seed))
             self.expected = reference_rows(
-                q, k, v, problem.causal, self.heads, self.rows, problem.group
+                q, k, v, problem.causal, self.heads, self.rows, problem.group, self.variants
             )
 
     def select(self, output: np.ndarray) -> np.ndarray:

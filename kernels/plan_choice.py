@@ -61,6 +61,12 @@ def current_source_hashes() -> dict[str, str]:
     return {family: build.source_hash(family) for family in build.sources()}
 
 
+def _kind(problem: Problem) -> tuple[object, ...]:
+    """What a stored plan must share with the problem it serves, whatever the shape."""
+    p = problem
+    return (p.dtype, p.precision, p.window_left, p.window_right, p.softcap, p.alibi, p.sinks)
+
+
 def _same_gpu(one: Environment, other: Environment) -> bool:
     return (one.gpu_name, one.compute_capability, one.sm_count) == (
         other.gpu_name,
@@ -185,14 +191,16 @@ class PlanChooser:
         )
 
     def _of_dtype(self, problem: Problem, stored: StoredPlan) -> tuple[StoredPlan | None, str]:
-        """``stored`` if it was stored for ``problem``'s dtype and precision; a plan is never
-        served across them (the registry asks by both already: this guards against a handle
-        that does not; re-planning then refuses one-pass TF32 for a tf32x3 problem too)."""
-        if (stored.problem.dtype, stored.problem.precision) == (problem.dtype, problem.precision):
+        """``stored`` if it was stored for ``problem``'s dtype, precision and variants; a plan
+        is never served across them (the registry asks by all of them already: this guards
+        against a handle that does not; re-planning then refuses one-pass TF32 for a tf32x3
+        problem too)."""
+        if _kind(stored.problem) == _kind(problem):
             return stored, ""
+        variants = stored.problem.variant_text()
         return None, (
             f"registry {self._label} answered {problem.label()} with a plan stored for "
-            f"{stored.problem.dtype_label}; not used"
+            f"{stored.problem.dtype_label}{' ' + variants if variants else ''}; not used"
         )
 
     def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:

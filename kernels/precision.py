@@ -23,16 +23,26 @@ float32 depends on the problem's precision:
   error of a float64 attention whose Q, K, P and V are rounded to TF32 exactly
   as the kernel rounds them (``tf32_emulation_error``), plus half a TF32 ulp
   of 1.0 (``TF32_FLOOR``).
+
+Variants (``kernels.attention_variants``): a sliding window is a boolean mask, as causal
+masking is, so torch's SDPA stays the peer. Softcap, ALiBi and sinks are not: SDPA takes a
+bias only in the inputs' dtype (a softcap's correction of a logit in the hundreds, rounded to
+bfloat16, errs by more than the whole kernel), so their peer is the arithmetic of a flash
+kernel emulated on the CPU (``flash_peer_error``: float32 logits and statistics from the
+rounded inputs, P rounded to the dtype before P V, the output rounded to the dtype; float32
+problems round nothing). The rule is the same: twice the peer's error plus the floor.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from kernels.attention_variants import VariantValues, transform_logits, visible_keys
 from kernels.bfloat16 import from_bfloat16, to_bfloat16
 from tuner.planner.seed import FLASH_ATTENTION_OUTPUT_TOLERANCE_ABS
 from tuner.problem import Problem
@@ -87,13 +97,18 @@ def from_storage(stored: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def random_inputs(
-    problem: Problem, rng: np.random.Generator
+    problem: Problem, rng: np.random.Generator, spread: float = 1.0
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """(q, k, v in storage type, q, k, v as float32 values of the rounded inputs);
-    q ``[batch*heads, seq_len, head_dim]``, k and v ``[batch*kv_heads, kv_len, head_dim]``."""
+    q ``[batch*heads, seq_len, head_dim]``, k and v ``[batch*kv_heads, kv_len, head_dim]``.
+    q and k are normal with standard deviation ``spread`` (the scaled logits ``spread**2``),
+    v standard normal."""
     shape = (problem.batch_heads, problem.seq_len, problem.head_dim)
     kv_shape = (problem.batch_kv_heads, problem.kv_len, problem.head_dim)
     drawn = [rng.standard_normal(s, dtype=np.float32) for s in (shape, kv_shape, kv_shape)]
+    if spread != 1.0:
+        drawn[0] *= np.float32(spread)
+        drawn[1] *= np.float32(spread)
     stored = tuple(to_storage(x, problem.dtype) for x in drawn)
     values = tuple(
         x if problem.dtype == "float32" else from_storage(s, problem.dtype).astype(np.float32)
@@ -114,15 +129,19 @@ def sdpa_error(
     expected: np.ndarray,
     heads: np.ndarray,
     rows: np.ndarray,
+    variants: VariantValues | None = None,
 ) -> float | None:
-    """max|torch sdpa - reference| on the sampled heads and rows, in the problem's dtype;
-    None without torch."""
+    """max|peer - reference| on the sampled heads and rows, in the problem's dtype: torch's
+    SDPA (None without torch), or for softcap, ALiBi and sinks ``flash_peer_error``."""
+    variants = VariantValues.of(problem) if variants is None else variants
+    if needs_flash_peer(variants):
+        return flash_peer_error(problem, q, k, v, expected, heads, rows, variants)
     if not torch_available():
         return None
     import torch
 
     if problem.dtype == "float32":
-        return _sdpa_rows_error(torch, problem, q, k, v, expected, heads, rows)
+        return _sdpa_rows_error(torch, problem, q, k, v, expected, heads, rows, variants)
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[problem.dtype]
 
@@ -130,18 +149,33 @@ def sdpa_error(
         return torch.from_numpy(np.ascontiguousarray(values[rows])).to(dtype)
 
     kv_heads = heads // problem.group  # the KV head each sampled query head reads
-    mask = None
-    if problem.causal:
-        # Bottom-right aligned, as the kernels: torch's is_causal is top-left for kv_len > seq_len.
-        mask = torch.ones(problem.seq_len, problem.kv_len, dtype=torch.bool).tril(
-            problem.causal_offset
-        )
+    # Bottom-right aligned, as the kernels: torch's is_causal is top-left for kv_len > seq_len.
+    mask = _visible_mask(torch, problem, np.arange(problem.seq_len), variants)
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(
-            tensor(q, heads), tensor(k, kv_heads), tensor(v, kv_heads), attn_mask=mask
+            tensor(q, heads), tensor(k, kv_heads), tensor(v, kv_heads), attn_mask=mask,
+            scale=variants.scale,
         )
-    got = out.to(torch.float64).numpy()[:, rows]
+    got = np.nan_to_num(out.to(torch.float64).numpy()[:, rows])  # rows that see no key: 0
     return float(np.abs(got - expected).max()) if expected.size else 0.0
+
+
+def _visible_mask(
+    torch: Any, problem: Problem, rows: np.ndarray, variants: VariantValues
+) -> Any:
+    """The boolean mask of causal masking and the window for ``rows``; None when there is
+    neither."""
+    if not (problem.causal or problem.windowed):
+        return None
+    seen = visible_keys(
+        rows,
+        problem.kv_len,
+        problem.causal_offset,
+        problem.causal,
+        variants.window_left,
+        variants.window_right,
+    )
+    return torch.from_numpy(seen)
 
 
 def _sdpa_rows_error(
@@ -153,25 +187,55 @@ def _sdpa_rows_error(
     expected: np.ndarray,
     heads: np.ndarray,
     rows: np.ndarray,
+    variants: VariantValues,
 ) -> float:
     """float32: torch's SDPA on the sampled query rows only (an explicit mask stands in
     for causal), so a 32768-key check costs the sampled rows, not the whole head."""
     if not expected.size:
         return 0.0
-    keys = np.arange(problem.kv_len)
     kv_heads = heads // problem.group  # the KV head each sampled query head reads
-    mask = None
-    if problem.causal:  # bottom-right aligned, as the kernels
-        mask = torch.from_numpy(keys[None, :] <= rows[:, None] + problem.causal_offset)
+    mask = _visible_mask(torch, problem, rows, variants)  # bottom-right aligned, as the kernels
 
     def tensor(values: np.ndarray) -> Any:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(
-            tensor(q[heads][:, rows]), tensor(k[kv_heads]), tensor(v[kv_heads]), attn_mask=mask
+            tensor(q[heads][:, rows]), tensor(k[kv_heads]), tensor(v[kv_heads]), attn_mask=mask,
+            scale=variants.scale,
         )
-    return float(np.abs(out.to(torch.float64).numpy() - expected).max())
+    got = np.nan_to_num(out.to(torch.float64).numpy())  # rows that see no key: 0
+    return float(np.abs(got - expected).max())
+
+
+def needs_flash_peer(variants: VariantValues) -> bool:
+    """Whether torch's SDPA cannot be the peer: softcap, ALiBi or sinks (module doc)."""
+    return variants.softcap > 0 or variants.alibi_slopes is not None or variants.sinks is not None
+
+
+def flash_peer_error(
+    problem: Problem,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    expected: np.ndarray,
+    heads: np.ndarray,
+    rows: np.ndarray,
+    variants: VariantValues | None = None,
+) -> float:
+    """max|peer - reference| on the sampled rows, the peer being a flash kernel's own
+    arithmetic: float32 logits, variants and softmax statistics from the rounded inputs, P
+    rounded to the dtype before P V (accumulated in float32), the output rounded to the dtype.
+    For float32 nothing is rounded: float32 arithmetic throughout."""
+    def to_dtype(values: np.ndarray) -> np.ndarray:
+        if problem.dtype == "float32":
+            return values.astype(np.float32)
+        return from_storage(to_storage(values.astype(np.float32), problem.dtype), problem.dtype)
+
+    return _emulated_error(
+        problem, q, k, v, expected, heads, rows, variants, np.float32,
+        round_operands=lambda values: values, round_p=to_dtype, round_out=to_dtype,
+    )
 
 
 def round_to_tf32(values: np.ndarray) -> np.ndarray:
@@ -189,27 +253,68 @@ def tf32_emulation_error(
     expected: np.ndarray,
     heads: np.ndarray,
     rows: np.ndarray,
+    variants: VariantValues | None = None,
 ) -> float:
     """max|tf32 attention - reference| on the sampled rows: float64 attention whose Q
     and K (before the product) and P and V (before the second) are rounded to TF32;
     the row sums use the unrounded P, as the kernel's do."""
+    def p_to_tf32(p: np.ndarray) -> np.ndarray:
+        return round_to_tf32(p.astype(np.float32)).astype(np.float64)
+
+    return _emulated_error(
+        problem, q, k, v, expected, heads, rows, variants, np.float64,
+        round_operands=round_to_tf32, round_p=p_to_tf32, round_out=lambda values: values,
+    )
+
+
+def _emulated_error(
+    problem: Problem,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    expected: np.ndarray,
+    heads: np.ndarray,
+    rows: np.ndarray,
+    variants: VariantValues | None,
+    work: type[np.floating],
+    *,
+    round_operands: Callable[[np.ndarray], np.ndarray],
+    round_p: Callable[[np.ndarray], np.ndarray],
+    round_out: Callable[[np.ndarray], np.ndarray],
+) -> float:
+    """max|emulated attention - reference| on the sampled rows: logits and softmax in
+    ``work`` (the variants applied as the reference applies them), Q, K and V through
+    ``round_operands``, P through ``round_p`` before P V, the output through ``round_out``."""
     if not expected.size:
         return 0.0
+    variants = VariantValues.of(problem) if variants is None else variants
     worst = 0.0
-    keys = np.arange(problem.kv_len)
+    seen = visible_keys(
+        rows, problem.kv_len, problem.causal_offset, problem.causal,
+        variants.window_left, variants.window_right,
+    )
     for index, head in enumerate(heads):
         kv_head = head // problem.group  # grouped-query attention
-        q_rows = round_to_tf32(q[head][rows]).astype(np.float64)
-        k_head = round_to_tf32(k[kv_head]).astype(np.float64)
-        scores = q_rows @ k_head.T / math.sqrt(problem.head_dim)
-        if problem.causal:  # bottom-right aligned, as the kernels
-            visible = keys[None, :] <= rows[:, None] + problem.causal_offset
-            scores = np.where(visible, scores, -np.inf)
-        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        p_tf32 = round_to_tf32(p.astype(np.float32)).astype(np.float64)
-        v_head = round_to_tf32(v[kv_head]).astype(np.float64)
-        out = (p_tf32 @ v_head) / p.sum(axis=-1)[:, None]
-        worst = max(worst, float(np.abs(out - expected[index]).max()))
+        q_rows = round_operands(q[head][rows]).astype(work)
+        k_head = round_operands(k[kv_head]).astype(work)
+        if variants.scale is None:
+            scores = q_rows @ k_head.T / work(math.sqrt(problem.head_dim))
+        else:
+            scores = q_rows @ k_head.T * work(variants.scale)
+        scores = transform_logits(scores, rows, problem.causal_offset, int(head), variants)
+        scores = np.where(seen, scores, -np.inf)
+        top = scores.max(axis=-1)
+        sink = variants.sink(int(head))
+        if sink is not None:
+            top = np.maximum(top, work(sink))
+        shift = np.where(np.isfinite(top), top, 0).astype(work)
+        p = np.exp(scores - shift[:, None])
+        total = p.sum(axis=-1)
+        if sink is not None:
+            total = total + np.exp(work(sink) - shift)
+        v_head = round_operands(v[kv_head]).astype(work)
+        out = (round_p(p).astype(work) @ v_head) / np.where(total > 0, total, 1)[:, None]
+        worst = max(worst, float(np.abs(round_out(out) - expected[index]).max()))
     return worst
 
 

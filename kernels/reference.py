@@ -13,17 +13,23 @@ accepted and kept). The references also take grouped-query and KV-cache
 inputs: k and v ``[batch*kv_heads, kv_len, head_dim]``, query head ``h`` reading
 KV head ``h // group``, causal masking bottom-right aligned (row ``r`` sees keys
 ``k <= r + kv_len - seq_len``); the emulations are self-attention only.
+
+Both know every variant (sliding window, softcap, ALiBi, sinks, a scale of the caller's),
+given as ``kernels.attention_variants.VariantValues`` and applied as that module says; the
+float64 reference also returns each row's natural-log log-sum-exp when asked (``lse=True``),
+what a backward pass needs from the forward.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from kernels.attention_variants import LOG2E, VariantValues, transform_logits, visible_keys
 from tuner.planner.launches import scale_log2
+from tuner.problem import UNBOUNDED
 
 if TYPE_CHECKING:
     from tuner.planner.plan import KernelPlan
@@ -31,7 +37,8 @@ if TYPE_CHECKING:
 FloatArray = npt.NDArray[np.floating]
 #: scores of one chunk of rows are kept below this many float64s (about 32 MiB)
 _CHUNK_ELEMENTS = 1 << 22
-
+#: plain attention: no window, softcap, ALiBi or sinks, the default scale
+PLAIN = VariantValues()
 
 
 def _heads_view(array: npt.ArrayLike) -> np.ndarray:
@@ -61,19 +68,36 @@ def _softmax_rows(
     rows: np.ndarray,
     causal: bool,
     causal_offset: int = 0,
-) -> np.ndarray:
-    """softmax(q k^T / sqrt(d)) v for the given query rows of one head, in float64.
+    head: int = 0,
+    variants: VariantValues = PLAIN,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(output, natural-log LSE) of the given query rows of one head, in float64, with every
+    variant (``kernels.attention_variants``, in its order).
 
-    Causal: row ``r`` sees keys ``k <= r + causal_offset`` (``kv_len - seq_len``).
+    Causal: row ``r`` sees keys ``k <= r + causal_offset`` (``kv_len - seq_len``). ``head``:
+    the flattened (batch, query head) index, for the per-head slopes and sinks.
     """
-    scores = (q_rows @ k.T) / math.sqrt(q_rows.shape[-1])
-    if causal:
-        visible = np.arange(k.shape[0])[None, :] <= rows[:, None] + causal_offset
-        scores = np.where(visible, scores, -np.inf)
-    # Subtracting the row max keeps exp() in range; the diagonal (or any key,
-    # non-causal) is always unmasked, so the max is finite.
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return (weights @ v) / weights.sum(axis=-1, keepdims=True)
+    scores = (q_rows @ k.T) * variants.scale_for(q_rows.shape[-1])
+    scores = transform_logits(scores, rows, causal_offset, head, variants)
+    if causal or variants.window_left != UNBOUNDED or variants.window_right != UNBOUNDED:
+        seen = visible_keys(
+            rows, k.shape[0], causal_offset, causal, variants.window_left, variants.window_right
+        )
+        scores = np.where(seen, scores, -np.inf)
+    top = scores.max(axis=-1, initial=-np.inf)
+    sink = variants.sink(head)
+    if sink is not None:
+        top = np.maximum(top, sink)
+    # A row that sees no key (and has no sink) keeps max -inf: shifting by 0 keeps
+    # exp(-inf) = 0 and its output 0, instead of inf - inf = NaN.
+    shift = np.where(np.isfinite(top), top, 0.0)
+    weights = np.exp(scores - shift[:, None])
+    total = weights.sum(axis=-1)
+    if sink is not None:
+        total = total + np.exp(sink - shift)
+    out = (weights @ v) / np.where(total > 0, total, 1.0)[:, None]
+    lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), np.inf)
+    return out, lse
 
 
 def reference_rows(
@@ -84,11 +108,19 @@ def reference_rows(
     heads_idx: npt.ArrayLike,
     rows_idx: npt.ArrayLike,
     group: int = 1,
-) -> np.ndarray:
-    """float64 attention output for rows ``rows_idx`` of heads ``heads_idx``: ``[H, R, D]``.
+    variants: VariantValues | None = None,
+    *,
+    lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """float64 attention output for rows ``rows_idx`` of heads ``heads_idx``: ``[H, R, D]``;
+    with ``lse``, also each row's natural-log log-sum-exp ``[H, R]`` (sinks included).
 
-    ``group``: query heads per KV head (k and v have ``heads / group`` heads).
+    ``group``: query heads per KV head (k and v have ``heads / group`` heads). ``variants``:
+    window, softcap, ALiBi slopes, sinks and scale (``kernels.attention_variants``); the
+    heads of ``heads_idx`` are flattened (batch, query head) indices, so slopes and sinks of
+    ``[heads]`` are indexed by ``head % heads``.
     """
+    variants = PLAIN if variants is None else variants
     q3, k3, v3 = _heads_view(q), _heads_view(k), _heads_view(v)
     _check_kv_shapes(q3, k3, v3, group)
     heads = np.asarray(heads_idx, dtype=np.int64).reshape(-1)
@@ -96,28 +128,47 @@ def reference_rows(
     n, d = q3.shape[1:]
     kv_len = k3.shape[1]
     out = np.empty((heads.size, rows.size, d), dtype=np.float64)
+    sums = np.empty((heads.size, rows.size), dtype=np.float64)
     chunk = max(1, _CHUNK_ELEMENTS // max(kv_len, 1))
     for slot, head in enumerate(heads):
         k64 = k3[head // group].astype(np.float64)
         v64 = v3[head // group].astype(np.float64)
         for start in range(0, rows.size, chunk):
             part = rows[start : start + chunk]
-            out[slot, start : start + chunk] = _softmax_rows(
-                q3[head, part].astype(np.float64), k64, v64, part, causal, kv_len - n
+            out[slot, start : start + chunk], sums[slot, start : start + chunk] = _softmax_rows(
+                q3[head, part].astype(np.float64),
+                k64,
+                v64,
+                part,
+                causal,
+                kv_len - n,
+                int(head),
+                variants,
             )
-    return out
+    return (out, sums) if lse else out
 
 
 def attention_reference(
-    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool, group: int = 1
-) -> np.ndarray:
-    """Exact float64 attention, ``softmax(q k^T / sqrt(d)) v``, same shape as ``q``."""
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    causal: bool,
+    group: int = 1,
+    variants: VariantValues | None = None,
+    *,
+    lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Exact float64 attention, ``softmax(q k^T / sqrt(d)) v`` with ``variants``, shaped like
+    ``q``; with ``lse``, also the natural-log log-sum-exp of each row (q's shape less
+    head_dim)."""
     q_in = np.asarray(q)
     q3 = _heads_view(q_in)
-    out = reference_rows(
-        q3, k, v, causal, np.arange(q3.shape[0]), np.arange(q3.shape[1]), group
+    out, sums = reference_rows(
+        q3, k, v, causal, np.arange(q3.shape[0]), np.arange(q3.shape[1]), group, variants,
+        lse=True,
     )
-    return out.reshape(q_in.shape)
+    out = out.reshape(q_in.shape)
+    return (out, sums.reshape(q_in.shape[:-1])) if lse else out
 
 
 # ---------------------------------------------------------------------------- emulation
@@ -131,6 +182,7 @@ def _online_partials(
     key_begin: int,
     key_end: int,
     tile_size: int,
+    variants: VariantValues = PLAIN,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One split's (max, sum, unnormalised accumulator) for every row, as the kernel keeps them.
 
@@ -138,7 +190,9 @@ def _online_partials(
     key bound (``row0 + rows_per_block``) is implied by the per-row mask
     ``key <= query``, and a tile whose keys are all masked leaves (max, sum,
     acc) unchanged exactly (correction 1, or 0 times zeros), so running every
-    tile for every block gives the kernel's values.
+    tile for every block gives the kernel's values. So do a window's bounds. In the
+    log2 domain the softcap is ``softcap * log2(e)`` and the ALiBi slopes are scaled
+    by ``log2(e)`` alike (the same logits in base two).
     """
     heads, n_rows, d = q_scaled.shape
     dtype = q_scaled.dtype
@@ -148,6 +202,10 @@ def _online_partials(
     acc = np.zeros((heads, n_rows, d), dtype=dtype)
     queries = np.arange(n_rows)
     zero = dtype.type(0)
+    slopes = None
+    if variants.alibi_slopes is not None:
+        per_head = variants.alibi_slopes[np.arange(heads) % len(variants.alibi_slopes)]
+        slopes = (per_head * LOG2E).astype(dtype)[:, None, None]
     for tile_start in range(key_begin, key_end, tile_size):
         keys = np.arange(tile_start, tile_start + tile_size)
         # Key rows past seq_len are loaded as zeros, then masked.
@@ -157,9 +215,16 @@ def _online_partials(
         k_tile[:, present] = k[:, keys[present]]
         v_tile[:, present] = v[:, keys[present]]
         valid = np.broadcast_to(keys[None, :] < key_end, (n_rows, tile_size))
-        if causal:
-            valid = valid & (keys[None, :] <= queries[:, None])
-        score = np.where(valid, q_scaled @ k_tile.transpose(0, 2, 1), -np.inf).astype(dtype)
+        valid = valid & visible_keys(
+            queries, tile_size, -tile_start, causal, variants.window_left, variants.window_right
+        )
+        raw = q_scaled @ k_tile.transpose(0, 2, 1)
+        if variants.softcap > 0:
+            cap = dtype.type(variants.softcap * LOG2E)
+            raw = cap * np.tanh(raw / cap)
+        if slopes is not None:
+            raw = raw - slopes * np.abs(queries[:, None] - keys[None, :]).astype(dtype)
+        score = np.where(valid, raw, -np.inf).astype(dtype)
         new_max = np.maximum(row_max, score.max(axis=-1))
         # A row that has seen only masked keys keeps max -inf: shifting by 0
         # keeps exp2(-inf) = 0 and avoids inf - inf = NaN, as the kernel does.
@@ -195,12 +260,16 @@ def emulate_online(
     rows_per_block: int = 1,
     splits: int | None = None,
     dtype: npt.DTypeLike = np.float32,
+    variants: VariantValues | None = None,
 ) -> np.ndarray:
     """The tiled kernel's algorithm for an explicit partition; see ``emulate_tiled``.
 
     ``splits`` defaults to the splits needed to cover the keys; a plan may
-    launch more (empty splits only add zero-weight partials).
+    launch more (empty splits only add zero-weight partials). ``variants`` as the
+    reference takes them; the sinks join as one more partial per row (max the sink,
+    sum 1, accumulator 0), which the split merge folds into the denominator only.
     """
+    variants = PLAIN if variants is None else variants
     q_in = np.asarray(q)
     work = np.dtype(dtype)
     q3, k3, v3 = (_heads_view(a).astype(work) for a in (q, k, v))
@@ -212,7 +281,8 @@ def emulate_online(
     # rows are computed and never written, so they are padded and dropped here.
     padded_rows = -(-n // rows_per_block) * rows_per_block
     q_scaled = np.zeros((heads, padded_rows, d), dtype=work)
-    q_scaled[:, :n] = q3 * work.type(scale_log2(d))
+    scale = scale_log2(d) if variants.scale is None else variants.scale * LOG2E
+    q_scaled[:, :n] = q3 * work.type(scale)
     if splits is None:
         splits = max(1, -(-n // keys_per_split))
     partials = [
@@ -224,10 +294,15 @@ def emulate_online(
             key_begin=min(n, s * keys_per_split),
             key_end=min(n, (s + 1) * keys_per_split),
             tile_size=tile_size,
+            variants=variants,
         )
         for s in range(splits)
     ]
-    if splits == 1:
+    if variants.sinks is not None:
+        sinks = variants.sinks[np.arange(heads) % len(variants.sinks)] * LOG2E
+        sink_max = np.broadcast_to(sinks.astype(work)[:, None], (heads, padded_rows))
+        partials.append((sink_max, np.ones_like(sink_max), np.zeros_like(q_scaled)))
+    if len(partials) == 1:
         row_max, row_sum, acc = partials[0]
         inverse = np.where(row_sum > 0, work.type(1) / np.where(row_sum > 0, row_sum, 1), 0)
         out = acc * inverse.astype(work)[..., None]
@@ -247,6 +322,7 @@ def emulate_plan(
     causal: bool,
     plan: KernelPlan,
     dtype: npt.DTypeLike = np.float32,
+    variants: VariantValues | None = None,
 ) -> np.ndarray:
     """A plan's kernel replayed in numpy with the partition its family follows.
 
@@ -254,8 +330,10 @@ def emulate_plan(
     ``keys_per_sequence_split`` keys (one launch column each), then the split
     merge when there is more than one (``KernelFamily.online_partition``).
     ``dtype`` float32 mimics the kernel's arithmetic (up to summation order);
-    float64 checks the algorithm itself.
+    float64 checks the algorithm itself. ``variants``: the plan's problem's (window,
+    softcap) when None; its slopes and sinks must be given when it has them.
     """
+    variants = VariantValues.of(plan.problem) if variants is None else variants
     partition = plan.kernel_family.online_partition(plan)
     return emulate_online(
         q,
@@ -267,6 +345,7 @@ def emulate_plan(
         rows_per_block=partition.rows_per_block,
         splits=partition.splits,
         dtype=dtype,
+        variants=variants,
     )
 
 

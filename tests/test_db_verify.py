@@ -202,7 +202,7 @@ def test_without_a_gpu_it_is_one_error_line_and_writes_nothing(url, tmp_path, ca
     assert served(url, FLOAT).median_ms == 0.5  # type: ignore[union-attr]
 
 
-def test_a_registry_from_revision_0005_upgrades_and_its_plans_are_served(tmp_path) -> None:
+def test_a_registry_from_revision_0006_upgrades_and_its_plans_are_served(tmp_path) -> None:
     from alembic import command
 
     path = tmp_path / "before.sqlite"
@@ -212,13 +212,13 @@ def test_a_registry_from_revision_0005_upgrades_and_its_plans_are_served(tmp_pat
     with engine.begin() as connection:
         config = alembic_config()
         config.attributes["connection"] = connection
-        command.upgrade(config, "0005")
+        command.upgrade(config, "0006")
     engine.dispose()
     with sqlite3.connect(path) as connection:
         columns = [row[1] for row in connection.execute("PRAGMA table_info(plans)")]
     connection.close()
     assert "disabled_reason" not in columns
-    assert upgrade_registry(url) == ("0005", HEAD_REVISION)
+    assert upgrade_registry(url) == ("0006", HEAD_REVISION)
     with sqlite3.connect(path) as connection:
         reasons = connection.execute("SELECT DISTINCT disabled_reason FROM plans").fetchall()
     connection.close()

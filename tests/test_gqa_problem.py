@@ -68,6 +68,12 @@ def test_labels_study_names_and_registry_keys_of_old_problems_are_unchanged() ->
         "kv_heads": 16,
         "kv_len": 4096,
         "precision": "",  # half dtypes: precision does not apply
+        # no variant: what migration 0006's defaults give every row from before it
+        "window_left": -1,
+        "window_right": -1,
+        "softcap": 0.0,
+        "alibi": False,
+        "sinks": False,
     }
 
 

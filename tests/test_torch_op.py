@@ -23,6 +23,9 @@ from kernels.attention_args import AttentionInputError, AttentionInputTypeError 
 
 OPS = torch.ops.flash_attention_tuner
 SHAPE = (2, 4, 64, 32)
+#: the ops' variant arguments of a plain call: window_left, window_right, softcap,
+#: alibi_slopes, sinks, scale
+NO_VARIANTS = (-1, -1, 0.0, None, None, None)
 
 
 def fake(shape: tuple[int, ...] = SHAPE, dtype: Any = None, device: str = "cuda") -> Any:
@@ -112,7 +115,8 @@ def test_compile_fullgraph_puts_one_op_where_the_call_was(fake_mode) -> None:
     targets = backend.targets()
     assert targets.count(OPS.attention.default) == 1 and len(targets) == 3
     (node,) = [n for n in backend.graphs[0].graph.nodes if n.target == OPS.attention.default]
-    assert node.args[3:] == (True, None, False, None)  # causal, registry, nearest, precision
+    assert node.args[3:7] == (True, None, False, None)  # causal, registry, nearest, precision
+    assert node.args[7:] == NO_VARIANTS
 
 
 def test_compile_fullgraph_of_out_and_of_an_instance(fake_mode) -> None:
@@ -127,7 +131,8 @@ def test_compile_fullgraph_of_out_and_of_an_instance(fake_mode) -> None:
     assert result.shape == q.shape
     (graph,) = backend.graphs
     (node,) = [n for n in graph.graph.nodes if n.target == OPS.attention_into.default]
-    assert node.args[4:] == (False, "sqlite:///plans.sqlite", True, None)
+    assert node.args[4:8] == (False, "sqlite:///plans.sqlite", True, None)
+    assert node.args[8:] == NO_VARIANTS
 
 
 def test_compile_fullgraph_carries_the_precision(fake_mode) -> None:
@@ -135,7 +140,7 @@ def test_compile_fullgraph_carries_the_precision(fake_mode) -> None:
     q, k, v = (fake(dtype=torch.float32) for _ in range(3))
     torch.compile(Block(precision="tf32"), fullgraph=True, backend=backend)(q, k, v)
     (node,) = [n for n in backend.graphs[0].graph.nodes if n.target == OPS.attention.default]
-    assert node.args[3:] == (True, None, False, "tf32")
+    assert node.args[3:7] == (True, None, False, "tf32")
 
 
 def test_compile_refuses_an_open_registry_handle_and_bad_causal(fake_mode) -> None:
@@ -154,3 +159,58 @@ def test_the_ops_are_registered_for_cuda_only() -> None:
     q = torch.zeros(SHAPE)
     with pytest.raises(NotImplementedError):
         OPS.attention(q, q, q, False, None, False)
+
+
+# ---------------------------------------------------------------------------- variants
+
+
+def heads_fake(heads: int = SHAPE[1], dtype: Any = None, device: str = "cuda") -> Any:
+    return torch.empty((heads,), dtype=dtype or torch.float32, device=device)
+
+
+def test_the_fake_implementations_take_and_check_the_variants(fake_mode) -> None:
+    q, k, v = fake(), fake((2, 2, 80, 32)), fake((2, 2, 80, 32))
+    out = OPS.attention(
+        q, k, v, True, None, False, None, 16, -1, 30.0, heads_fake(), heads_fake(), 0.1
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    into = fake()
+    assert OPS.attention_into(q, k, v, into, False, None, False, None, 4, 4, 0.0, None,
+                              heads_fake(), None) is None
+    for slopes, error, message in [
+        (heads_fake(8), AttentionInputError, r"^alibi_slopes has shape \(8,\); expected \(4,\)"),
+        (heads_fake(dtype=torch.bfloat16), AttentionInputTypeError, r"^alibi_slopes has dtype"),
+        (heads_fake(device="cpu"), AttentionInputTypeError, r"^alibi_slopes is a torch tensor on"),
+    ]:
+        with pytest.raises(error, match=message):
+            OPS.attention(q, k, v, False, None, False, None, -1, -1, 0.0, slopes, None, None)
+    with pytest.raises(AttentionInputError, match=r"^window=\(-5, -1\): the left bound"):
+        OPS.attention(q, k, v, False, None, False, None, -5, -1, 0.0, None, None, None)
+
+
+def test_compile_fullgraph_carries_the_variants(fake_mode) -> None:
+    backend = Captured()
+
+    class Windowed(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any, slopes: Any, sinks: Any) -> Any:
+            return kernels.attention(
+                q, k, v, True, window=(1024, 0), softcap=50.0, alibi_slopes=slopes, sinks=sinks,
+                scale=0.0625,
+            )
+
+    q, k, v = fake(), fake(), fake()
+    slopes, sinks = heads_fake(), heads_fake()
+    torch.compile(Windowed(), fullgraph=True, backend=backend)(q, k, v, slopes, sinks)
+    (node,) = [n for n in backend.graphs[0].graph.nodes if n.target == OPS.attention.default]
+    assert node.args[3:10] == (True, None, False, None, 1024, 0, 50.0)
+    placeholders = [n for n in backend.graphs[0].graph.nodes if n.op == "placeholder"]
+    assert list(node.args[10:12]) == placeholders[3:5]  # the slopes and sinks inputs
+    assert node.args[12] == 0.0625
+    with pytest.raises(AttentionInputTypeError, match=r"^window must be a pair"):
+        torch_op.traced_call(None, None, False, q, k, v, False, None, None, 1024)
+    with pytest.raises(AttentionInputError, match=r"^softcap must be a finite number >= 0"):
+        torch_op.traced_call(None, None, False, q, k, v, False, None, None, (-1, -1), -2.0)
+    with pytest.raises(AttentionInputError, match=r"^scale must be a finite number > 0"):
+        torch_op.traced_call(
+            None, None, False, q, k, v, False, None, None, (-1, -1), 0.0, None, None, -1.0
+        )

@@ -170,6 +170,16 @@ class TunerConfig:
     #: float32 only: "tf32x3" (null means it: float32-class error) or "tf32" (one-pass
     #: TF32 tensor-core plans allowed too); null for bfloat16/float16
     precision: Any = None
+    #: sliding window: query row r sees keys in [r + off - window_left, r + off +
+    #: window_right], off = kv_len - seq_len; -1: no bound on that side
+    window_left: Any = -1
+    window_right: Any = -1
+    #: logit softcap: scaled logits s become softcap * tanh(s / softcap); 0: none
+    softcap: Any = 0
+    #: an ALiBi bias per query head (tuned with the standard slopes)
+    alibi: Any = False
+    #: one sink logit per query head in the softmax's denominator (tuned with random ones)
+    sinks: Any = False
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -335,8 +345,19 @@ def _optional_number(low: float, *, inclusive: bool, null_means: str) -> Rule:
 
 
 _BOOL = Rule("true or false", lambda v: isinstance(v, bool))
+#: the largest value of the kernels' int32 arguments
+I32_MAX = 2**31 - 1
+
+
+def _window_bound() -> Rule:
+    return Rule(
+        f"an integer in 0..{I32_MAX}, or -1 for no bound on that side",
+        lambda v: _is_int(v) and -1 <= v <= I32_MAX,
+    )
+
 _SHAPE_KEYS = (
-    "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision"
+    "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision",
+    "window_left", "window_right", "softcap", "alibi", "sinks",
 )
 #: the mandatory shape keys a model run leaves unset
 _MODEL_FREE_KEYS = {"seq_len", "head_dim"}
@@ -366,6 +387,12 @@ RULES: dict[str, Rule] = {
         f"one of {', '.join(FLOAT32_PRECISIONS)} or null (float32 only)",
         lambda v: v is None or (isinstance(v, str) and v in FLOAT32_PRECISIONS),
     ),
+    # The kernels take the bounds as int32.
+    "window_left": _window_bound(),
+    "window_right": _window_bound(),
+    "softcap": Rule("a number >= 0 (0: no cap)", lambda v: _is_number(v) and v >= 0),
+    "alibi": _BOOL,
+    "sinks": _BOOL,
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -653,6 +680,11 @@ def checked_problem(**shape: Any) -> Problem:
         kv_heads=kv_heads,
         kv_len=kv_len,
         precision=config.precision or "",
+        window_left=config.window_left,
+        window_right=config.window_right,
+        softcap=float(config.softcap),
+        alibi=config.alibi,
+        sinks=config.sinks,
     )
 
 
@@ -667,6 +699,11 @@ class _ShapeValues:
     kv_heads: Any
     kv_len: Any
     precision: Any
+    window_left: Any
+    window_right: Any
+    softcap: Any
+    alibi: Any
+    sinks: Any
 
 
 def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:
@@ -754,9 +791,11 @@ def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceA
     kv = "" if problem.self_attention else (
         f" kv_heads={problem.kv_heads} kv_len={problem.kv_len}"
     )
+    variants = problem.variant_text()
     shape = (
         f"seq_len={problem.seq_len} head_dim={problem.head_dim} (batch={problem.batch} "
-        f"heads={problem.heads}{kv} causal={format_value(problem.causal)})"
+        f"heads={problem.heads}{kv} causal={format_value(problem.causal)}"
+        f"{' ' + variants if variants else ''})"
     )
     try:
         space = candidate_space(problem, device, axes)

@@ -74,11 +74,12 @@ def rank_by_prediction(
 
 
 def describe_problem(problem: Problem) -> str:
+    variants = variant_keys(problem)
     if problem.self_attention:
         return (
             f"{problem.label()} (batch={problem.batch} heads={problem.heads} "
             f"seq_len={problem.seq_len} head_dim={problem.head_dim} "
-            f"causal={format_value(problem.causal)} dtype={problem.dtype}); "
+            f"causal={format_value(problem.causal)} dtype={problem.dtype}{variants}); "
             f"{problem.useful_flops / 1e9:.3g} GFLOP, "
             f"{problem.tensor_bytes / _MB:.3g} MB per tensor"
         )
@@ -86,10 +87,22 @@ def describe_problem(problem: Problem) -> str:
         f"{problem.label()} (batch={problem.batch} heads={problem.heads} "
         f"kv_heads={problem.kv_heads} seq_len={problem.seq_len} kv_len={problem.kv_len} "
         f"head_dim={problem.head_dim} causal={format_value(problem.causal)} "
-        f"dtype={problem.dtype}); {problem.useful_flops / 1e9:.3g} GFLOP, "
+        f"dtype={problem.dtype}{variants}); {problem.useful_flops / 1e9:.3g} GFLOP, "
         f"{problem.tensor_bytes / _MB:.3g} MB of q, {problem.kv_tensor_bytes / _MB:.3g} MB "
         "of k and of v"
     )
+
+
+def variant_keys(problem: Problem) -> str:
+    """The variant keys that are on, as configured (`` window_left=4096 softcap=50``; "" for
+    none). GFLOP count the window's visible pairs only."""
+    keys = []
+    if problem.windowed:
+        keys += [f"window_left={problem.window_left}", f"window_right={problem.window_right}"]
+    if problem.softcap > 0:
+        keys.append(f"softcap={format_value(problem.softcap)}")
+    keys += [f"{name}=true" for name in ("alibi", "sinks") if getattr(problem, name)]
+    return "".join(f" {key}" for key in keys)
 
 
 def describe_device(device: DeviceProfile, profile: str) -> str:

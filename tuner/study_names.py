@@ -30,7 +30,7 @@ from sqlalchemy.exc import ArgumentError
 from tuner.data_dir import STUDIES_FILE, default_studies_url
 from tuner.environment import Environment
 from tuner.errors import ConfigError
-from tuner.problem import Problem
+from tuner.problem import UNBOUNDED, Problem
 
 
 def study_name(
@@ -44,9 +44,9 @@ def study_name(
     """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>[-<variants>]@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
-    ``<seq_len>kv<kv_len>``; the attention variants that are on follow the mask
-    (``causal-window=4095-softcap=50``); names of problems without them are what they
-    always were.
+    ``<seq_len>kv<kv_len>``; self-attention names are what they always were. The
+    attention variants follow the mask (``variant_suffix``: ``-w4096-cap50-alibi-sinks``);
+    a problem without them keeps the name it always had.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -58,14 +58,23 @@ def study_name(
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
-    variants = problem.variant_text(separator="-")
-    if variants:
-        # Problems that differ only by a variant (Gemma 2's sliding and global layers at
-        # one shape) are different studies.
-        mask = f"{mask}-{variants}"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
-    name = f"{shape}-{problem.dtype_label}-{mask}@{gpu}-{digest}-{sampler}"
+    name = f"{shape}-{problem.dtype_label}-{mask}{variant_suffix(problem)}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
+
+
+def variant_suffix(problem: Problem) -> str:
+    """The attention variants in a study name: ``-w<window_left>`` and ``-wr<window_right>``
+    for the window's bounds, ``-cap<softcap>``, ``-alibi``, ``-sinks``; "" for none."""
+    parts = []
+    if problem.window_left != UNBOUNDED:
+        parts.append(f"w{problem.window_left}")
+    if problem.window_right != UNBOUNDED:
+        parts.append(f"wr{problem.window_right}")
+    if problem.softcap > 0:
+        parts.append(f"cap{problem.softcap:g}")
+    parts += [name for name in ("alibi", "sinks") if getattr(problem, name)]
+    return "".join(f"-{part}" for part in parts)
 
 
 def default_storage_url(registry_url: str) -> str:

@@ -3,8 +3,17 @@
 ``AttentionHandle`` is made once per (``Problem``, device) by ``DeviceRunner.handle`` and holds
 the chosen plan, the loaded kernels, the launch geometry and, per stream, a ``StreamSlot``: the
 split scratch and the arguments packed once (``kernels.cuda_driver``). A call then writes the
-four addresses q, k, v, out into the slot's pointer objects and launches: no plan lookup, no
-argument packing, no allocation (but the output where none is given), no host synchronisation.
+addresses of q, k, v, out and of the caller's ALiBi slopes and sinks (0 when off) and the
+softmax scale into the slot's objects and launches: no plan lookup, no argument packing, no
+allocation (but the output where none is given), no host synchronisation.
+
+The scale is a run-time value, not part of the problem: one handle serves every scale. The
+kernels take ``scale_log2 = scale * log2(e)``; the family builds it from ``1/sqrt(head_dim)``,
+so the argument holding that value (the first float32 argument of a launch equal to it: the
+ABI puts ``scale_log2`` before ``softcap``) is the role ``scale_log2``, written per call with
+the caller's scale, or the default. A plan whose launches hold no such argument refuses a
+scale of the caller's rather than ignore it; a problem with ALiBi or sinks is refused at
+resolution by a plan whose launches take no slopes or sinks pointer.
 
 Why per stream: the split scratch is written by the attention kernel and read by the merge
 kernel; two calls on one stream are ordered, on two streams they would race on one scratch. A
@@ -38,10 +47,13 @@ from kernels.launch import BufferElements, DeviceBuffers, KernelLaunch
 from kernels.plan_choice import ChosenPlan
 from tuner.errors import BackendError
 from tuner.planner.launches import TensorMap
+from tuner.planner.launches import scale_log2 as head_dim_scale_log2
 from tuner.problem import Problem
 
 #: buffer roles, in ``DeviceBuffers`` order
-ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml")
+ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml", "alibi_slopes", "sinks", "lse")
+#: the float32 argument a call writes its softmax scale into (``scale * log2(e)``)
+SCALE_ROLE = "scale_log2"
 #: addresses no allocation has (above 2**63), one per role: where a launch built with these has
 #: one, that argument is that buffer's pointer
 BUFFER_MARKERS = DeviceBuffers(*((0xF1A5 << 48) + index for index in range(len(ROLES))))
@@ -67,13 +79,19 @@ class LaunchTemplate:
 
 
 def launch_templates(
-    launches: tuple[KernelLaunch, ...], functions: dict[str, int]
+    launches: tuple[KernelLaunch, ...],
+    functions: dict[str, int],
+    scale_log2: float | None = None,
 ) -> tuple[LaunchTemplate, ...]:
-    """``launches`` (built with ``BUFFER_MARKERS``) with each pointer argument named by role."""
+    """``launches`` (built with ``BUFFER_MARKERS``) with each pointer argument named by role;
+    a null pointer stays a constant. With ``scale_log2`` (the value the family built the
+    launches with), the first float32 argument of a launch equal to it is ``SCALE_ROLE``."""
     addresses = _addresses(BUFFER_MARKERS)
     markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
+    scale = None if scale_log2 is None else np.float32(scale_log2)
     templates = []
     for launch in launches:
+        scaled = scale is None
         arguments: list[str | TensorMap | np.int32 | np.float32 | np.uintp] = []
         for position, value in enumerate(launch.args):
             if isinstance(value, TensorMap):
@@ -88,12 +106,15 @@ def launch_templates(
                 arguments.append(value)  # a null pointer: an optional buffer not used
             elif isinstance(value, np.uintp):
                 role = markers.get(int(value))
-                if role is None:
+                if role is None and int(value) != 0:
                     raise BackendError(
                         f"{launch.function} argument {position} is a pointer that is none of "
                         f"the buffers {', '.join(ROLES)}; the deploy path cannot pack it"
                     )
-                arguments.append(role)
+                arguments.append(value if role is None else role)
+            elif not scaled and isinstance(value, np.float32) and value == scale:
+                arguments.append(SCALE_ROLE)
+                scaled = True
             else:
                 arguments.append(value)
         templates.append(
@@ -113,6 +134,13 @@ def _addresses(buffers: DeviceBuffers) -> tuple[int, ...]:
     return tuple(getattr(buffers, role) for role in ROLES)
 
 
+def roles_taken(templates: tuple[LaunchTemplate, ...]) -> frozenset[str]:
+    """The roles (buffers and the scale) some launch of ``templates`` takes."""
+    return frozenset(
+        value for template in templates for value in template.arguments if isinstance(value, str)
+    )
+
+
 class StreamSlot:
     """One stream's packed launches and split scratch; ``lock`` makes write + launch atomic."""
 
@@ -125,6 +153,8 @@ class StreamSlot:
         tensor_maps: tuple[Any, ...] = (),
     ) -> None:
         self.q, self.k, self.v, self.out = (pointers[role] for role in ROLES[:4])
+        self.alibi_slopes, self.sinks = pointers["alibi_slopes"], pointers["sinks"]
+        self.scale_log2 = pointers[SCALE_ROLE]
         #: the encoded TMA descriptors the packed launches point at (re-pointed per call)
         self.tensor_maps = tensor_maps
         # The argument objects live here: the drivers' ``void*[]`` hold only their addresses.
@@ -159,6 +189,18 @@ class AttentionHandle:
         self.driver = driver
         self.context = context  # the primary context (torch's); None where unknown
         self.has_scratch = needed.partial_o > 0
+        taken = roles_taken(templates)
+        for wanted, role in ((problem.alibi, "alibi_slopes"), (problem.sinks, "sinks")):
+            if wanted and role not in taken:
+                raise BackendError(
+                    f"{chosen.plan.key()} for {problem.label()}: its launches take no {role} "
+                    f"pointer, so its kernels would ignore the {role}; tune a family that "
+                    "takes them"
+                )
+        #: whether a launch takes the scale (else only the default scale can run)
+        self.takes_scale = SCALE_ROLE in taken
+        #: the scale the family built the launches with: ``log2(e) / sqrt(head_dim)``
+        self.default_scale_log2 = head_dim_scale_log2(problem.head_dim)
         self._slots: dict[int, StreamSlot] = {}
         self._lock = threading.Lock()
 
@@ -194,7 +236,10 @@ class AttentionHandle:
                     ) from error
                 owners.append(owner)
                 addresses[role] = address
-        pointers = {role: ctypes.c_void_p(addresses.get(role, 0)) for role in ROLES}
+        pointers: dict[str, Any] = {
+            role: ctypes.c_void_p(addresses.get(role, 0)) for role in ROLES
+        }
+        pointers[SCALE_ROLE] = ctypes.c_float(self.default_scale_log2)
         maps: list[Any] = []
         packed = tuple(self._pack(template, pointers, maps) for template in self.templates)
         calls = tuple(self.driver.bind_launch(launch, stream) for launch in packed)
@@ -226,10 +271,35 @@ class AttentionHandle:
 
     # ------------------------------------------------------------------ per call
 
-    def launch(self, slot: StreamSlot, q: int, k: int, v: int, out: int) -> None:
-        """The plan's launches on the slot's stream, in the current context; no waiting."""
+    def launch(
+        self,
+        slot: StreamSlot,
+        q: int,
+        k: int,
+        v: int,
+        out: int,
+        alibi_slopes: int = 0,
+        sinks: int = 0,
+        scale_log2: float | None = None,
+    ) -> None:
+        """The plan's launches on the slot's stream, in the current context; no waiting.
+
+        ``alibi_slopes``, ``sinks``: the caller's ``[heads]`` float32 arrays (0 when off);
+        ``scale_log2``: the caller's ``scale * log2(e)``, None for ``1/sqrt(head_dim)``'s.
+        """
+        if scale_log2 is None:
+            scale_log2 = self.default_scale_log2
+        elif not self.takes_scale and np.float32(scale_log2) != np.float32(
+            self.default_scale_log2
+        ):
+            raise BackendError(
+                f"{self.plan.key()} for {self.problem.label()} takes no scale argument (its "
+                "kernels use 1/sqrt(head_dim)); a scale of the caller's cannot run with it"
+            )
         with slot.lock:  # another thread must not rewrite the addresses before the launch
             slot.q.value, slot.k.value, slot.v.value, slot.out.value = q, k, v, out
+            slot.alibi_slopes.value, slot.sinks.value = alibi_slopes, sinks
+            slot.scale_log2.value = scale_log2
             for encoded in slot.tensor_maps:
                 address = (
                     q if encoded.spec.buffer == "q" else k if encoded.spec.buffer == "k" else v
@@ -247,12 +317,25 @@ class AttentionHandle:
             status = call()
         self.driver.check(status, f"{self.plan.key()} on cuda:{self.device}")
 
-    def run_torch(self, like: Any, q: int, k: int, v: int, out: Any, torch: Any) -> Any:
+    def run_torch(
+        self,
+        like: Any,
+        q: int,
+        k: int,
+        v: int,
+        out: Any,
+        torch: Any,
+        alibi_slopes: int = 0,
+        sinks: int = 0,
+        scale_log2: float | None = None,
+    ) -> Any:
         """Launch on torch's current stream of this GPU; the result is ``out`` or a new tensor
         like ``like`` (q). The caller checked the tensors (``kernels.attention_args``)."""
         native = torch._C
         if native._cuda_getDevice() != self.device:
-            return self._run_torch_elsewhere(like, q, k, v, out, torch)
+            return self._run_torch_elsewhere(
+                like, q, k, v, out, torch, alibi_slopes, sinks, scale_log2
+            )
         stream = native._cuda_getCurrentRawStream(self.device)
         result = torch.empty_like(like) if out is None else out
         if self.has_scratch and native._cuda_isCurrentStreamCapturing():
@@ -262,13 +345,24 @@ class AttentionHandle:
             slot = self._slots.get(stream)
             if slot is None:
                 slot = self.slot(stream, _torch_allocator(torch, like.device))
-        self.launch(slot, q, k, v, result.data_ptr())
+        self.launch(slot, q, k, v, result.data_ptr(), alibi_slopes, sinks, scale_log2)
         return result
 
-    def _run_torch_elsewhere(self, like: Any, q: int, k: int, v: int, out: Any, torch: Any):
+    def _run_torch_elsewhere(
+        self,
+        like: Any,
+        q: int,
+        k: int,
+        v: int,
+        out: Any,
+        torch: Any,
+        alibi_slopes: int,
+        sinks: int,
+        scale_log2: float | None,
+    ) -> Any:
         """torch's current device is another GPU: run under this one, as torch's ops do."""
         with torch.cuda.device(self.device):
-            return self.run_torch(like, q, k, v, out, torch)
+            return self.run_torch(like, q, k, v, out, torch, alibi_slopes, sinks, scale_log2)
 
     def close(self) -> None:
         with self._lock:

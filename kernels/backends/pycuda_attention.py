@@ -47,8 +47,10 @@ from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.cuda_driver import CudaDriver
 from kernels.launch import buffer_elements, launch_sequence
 from kernels.plan_choice import PlanChooser
+from kernels.variant_args import VariantArgs
 from tuner.environment import Environment
 from tuner.errors import BackendError
+from tuner.planner.launches import scale_log2
 from tuner.planner.tunable import KernelPlan
 from tuner.problem import Problem
 
@@ -150,7 +152,7 @@ class DeviceRunner:
             problem,
             self.index,
             chosen,
-            launch_templates(launches, functions),
+            launch_templates(launches, functions, scale_log2(problem.head_dim)),
             buffer_elements(plan),
             self.driver,
             self.context,
@@ -161,8 +163,12 @@ class DeviceRunner:
         inputs: Inputs,
         problem: Problem,
         facts: Sequence[PointerFacts | None],
+        variants: VariantArgs | None = None,
     ) -> Any:
-        for array, fact in zip(inputs.arrays, facts, strict=True):
+        """Launch on interface arrays; ``facts``: the driver's, on ``inputs.arrays`` then the
+        variants' per-head arrays."""
+        variants = VariantArgs() if variants is None else variants
+        for array, fact in zip((*inputs.arrays, *variants.arrays), facts, strict=True):
             # 0: pool and VMM allocations belong to no context; None: the driver was not asked.
             if fact and fact.context and self.context and fact.context != self.context:
                 raise AttentionInputError(
@@ -172,7 +178,8 @@ class DeviceRunner:
                 )
         handle = self.handle(problem)
         with self.backend.active() as drv:
-            if any(array.stream not in ORDERED_STREAMS for array in inputs.arrays):
+            given = (*inputs.arrays, *variants.arrays)
+            if any(array.stream not in ORDERED_STREAMS for array in given):
                 drv.Context.synchronize()  # a producer stream we cannot wait on otherwise
             if inputs.out is not None:
                 result, out = inputs.out.value, inputs.out.pointer
@@ -185,7 +192,15 @@ class DeviceRunner:
                 return owner, int(owner)
 
             slot = handle.slot(LEGACY_STREAM, allocate)
-            handle.launch(slot, inputs.q.pointer, inputs.k.pointer, inputs.v.pointer, out)
+            handle.launch(
+                slot,
+                inputs.q.pointer,
+                inputs.k.pointer,
+                inputs.v.pointer,
+                out,
+                *variants.pointers,
+                variants.scale_log2,
+            )
         return result
 
     def close(self) -> None:

@@ -9,10 +9,12 @@ after, so the backend can be used from any thread and leaves the caller's
 context stack as it found it.
 
 Per problem (not per candidate) it allocates the device buffers, draws fresh
-seeded random-normal inputs, computes the float64 CPU reference (whole or
-sampled, ``kernels.parity``) and, for problems too large to check whole on the
-CPU, the scalar kernel's output on the same inputs; each candidate then costs
-a cache lookup, a module load and its launches.
+seeded random-normal inputs (``kernels.tuning_inputs``: with the ALiBi slopes and
+sink logits a variant problem needs, uploaded once, and logits in the hundreds for a
+softcap), computes the float64 CPU reference on the same values (whole or
+sampled, ``kernels.parity``) and, for float32 problems too large to check whole on the
+CPU, the scalar kernel's output on the same inputs where that kernel takes the
+problem; each candidate then costs a cache lookup, a module load and its launches.
 
 Failures are values (``Measurement.failed``): INFEASIBLE (the planner or
 ptxas's register/spill report rules it out), COMPILE, RESOURCES (the launch
@@ -34,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels import build, precision
+from kernels import build, precision, tuning_inputs
+from kernels.attention_variants import VariantValues
 from kernels.backends.base import Backend, Failure, Measurement
 from kernels.cuda_driver import CudaDriver, ctypes_argument, pack_launch
 from kernels.launch import (
@@ -105,6 +108,13 @@ class _ProblemState:
     partial_ml: Any = None
     partial_capacity: BufferElements | None = None
     scalar_output: np.ndarray | None = None
+    #: the variants' values the kernels get and the reference uses
+    variants: VariantValues = VariantValues()
+    #: device copies of the float32 ALiBi slopes and sink logits (None when off)
+    alibi_slopes: Any = None
+    sinks: Any = None
+    #: float32 ``[batch*heads*seq_len]`` for the log-sum-exp, made when first asked for
+    lse: Any = None
 
 
 def _has_tensor_maps(launches: tuple[KernelLaunch, ...]) -> bool:
@@ -326,8 +336,18 @@ class PyCudaBackend(Backend):
             state = self._problem_state(drv, problem)
         return state.host_q, state.host_k, state.host_v
 
-    def output(self, plan: KernelPlan, problem: Problem) -> np.ndarray:
+    def variants(self, problem: Problem) -> VariantValues:
+        """The variants' values every candidate of ``problem`` runs with (the ALiBi slopes and
+        sinks uploaded, as float32 values) and the reference uses."""
+        with self.active() as drv:
+            return self._problem_state(drv, problem).variants
+
+    def output(
+        self, plan: KernelPlan, problem: Problem, *, lse: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """One run of ``plan`` on ``inputs(problem)``, its output copied back: no checks, no timing.
+        With ``lse``, the run is asked for each row's log-sum-exp too (``DeviceBuffers.lse``,
+        NaN-poisoned first) and returns (output, LSE ``[batch*heads, seq_len]``).
 
         Raises ``BackendError`` when the plan cannot run (``DeviceContextLost`` on a fault).
         """
@@ -337,8 +357,9 @@ class PyCudaBackend(Backend):
             raise BackendError(f"{plan.key()} does not compile: {compiled.reason}")
         with self.active() as drv:
             try:
-                state, run = self._prepare(drv, plan, compiled)
-                return self._run_once(drv, state, run)
+                state, run = self._prepare(drv, plan, compiled, lse=lse)
+                output = self._run_once(drv, state, run)
+                return (output, self._read_lse(drv, state)) if lse else output
             except _LaunchRefused as refused:
                 raise BackendError(f"{plan.key()} cannot launch: {refused}") from refused
             except _DeviceFault as fault:
@@ -361,12 +382,13 @@ class PyCudaBackend(Backend):
         self._lost_reason = str(fault)
 
     def _prepare(
-        self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel
+        self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel, lse: bool = False
     ) -> tuple[_ProblemState, Callable[[], None]]:
-        """The problem's state and a closure launching ``plan`` once (nothing run yet)."""
+        """The problem's state and a closure launching ``plan`` once (nothing run yet); with
+        ``lse`` the launches write the log-sum-exp too."""
         state = self._problem_state(drv, plan.problem)
         functions = self.functions(drv, compiled)
-        launches = launch_sequence(plan, self._buffers(drv, state, plan))
+        launches = launch_sequence(plan, self._buffers(drv, state, plan, lse))
         if _has_tensor_maps(launches):
             return state, self._driver_launcher(compiled, launches)
 
@@ -438,11 +460,11 @@ class PyCudaBackend(Backend):
         # The scalar kernel (float32) is the GPU reference of large float32 problems;
         # half problems are checked on the CPU reference's sampled rows only.
         if parity.ok and not full_check(plan.problem) and plan.problem.dtype == "float32":
-            # Both outputs carry their own error: the difference may reach the sum.
-            against_scalar = compare(
-                output, self._scalar_output(drv, state), 2 * state.tolerance, "the scalar kernel"
-            )
-            parity = _worse(parity, against_scalar)
+            scalar = self._scalar_output(drv, state)
+            if scalar is not None:
+                # Both outputs carry their own error: the difference may reach the sum.
+                against_scalar = compare(output, scalar, 2 * state.tolerance, "the scalar kernel")
+                parity = _worse(parity, against_scalar)
         if not parity.ok:
             return Measurement(
                 measured=True,
@@ -476,28 +498,41 @@ class PyCudaBackend(Backend):
             identity += (problem.kv_heads, problem.kv_len)
         rng = np.random.default_rng([self.seed, *identity, int(problem.causal)])
         # Random normals rounded to the dtype; the reference sees the rounded values.
-        stored, host = precision.random_inputs(problem, rng)
+        inputs = tuning_inputs.tuning_inputs(problem, rng)
+        stored, host, variants = inputs.stored, inputs.values, inputs.variants
         try:
             q, k, v = (drv.to_device(array) for array in stored)
             out = drv.mem_alloc(stored[0].nbytes)
+            slopes, sinks = (
+                None if values is None else drv.to_device(values)
+                for values in (inputs.alibi_slopes, inputs.sinks)
+            )
         except drv.MemoryError as error:
             raise BackendError(
                 f"{problem.label()} does not fit in device memory: {error}"
             ) from error
-        reference = CpuReference(problem, *host, seed=self.seed)
+        reference = CpuReference(problem, *host, seed=self.seed, variants=variants)
         sampled = (reference.expected, reference.heads, reference.rows)
-        sdpa = precision.sdpa_error(problem, *host, *sampled)
+        sdpa = precision.sdpa_error(problem, *host, *sampled, variants)
         tf32 = None
         if problem.fast_tf32:
-            tf32 = precision.tf32_emulation_error(problem, *host, *sampled)
+            tf32 = precision.tf32_emulation_error(problem, *host, *sampled, variants)
         tolerance = precision.tolerance_for(problem, sdpa, tf32)
         self._state = _ProblemState(
-            problem, *host, q, k, v, out, reference, tolerance, tuple(stored)
+            problem, *host, q, k, v, out, reference, tolerance, tuple(stored),
+            variants=variants, alibi_slopes=slopes, sinks=sinks,
         )
         return self._state
 
-    def _buffers(self, drv: Any, state: _ProblemState, plan: KernelPlan) -> DeviceBuffers:
+    def _buffers(
+        self, drv: Any, state: _ProblemState, plan: KernelPlan, lse: bool = False
+    ) -> DeviceBuffers:
         needed = buffer_elements(plan)
+        if lse and state.lse is None:
+            try:
+                state.lse = drv.mem_alloc(4 * state.problem.batch_heads * state.problem.seq_len)
+            except drv.MemoryError as error:
+                raise _LaunchRefused(f"the LSE buffer does not fit: {error}") from error
         capacity = state.partial_capacity
         if needed.partial_o and (capacity is None or capacity.partial_o < needed.partial_o):
             state.partial_o = state.partial_ml = state.partial_capacity = None
@@ -517,6 +552,9 @@ class PyCudaBackend(Backend):
             out=int(state.out),
             partial_o=int(state.partial_o) if with_partials else 0,
             partial_ml=int(state.partial_ml) if with_partials else 0,
+            alibi_slopes=0 if state.alibi_slopes is None else int(state.alibi_slopes),
+            sinks=0 if state.sinks is None else int(state.sinks),
+            lse=int(state.lse) if lse else 0,
         )
 
     def functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:
@@ -567,6 +605,9 @@ class PyCudaBackend(Backend):
             if state.partial_capacity is not None:
                 drv.memset_d32(state.partial_o, NAN_BITS, state.partial_capacity.partial_o)
                 drv.memset_d32(state.partial_ml, NAN_BITS, state.partial_capacity.partial_ml)
+            if state.lse is not None:
+                rows = state.problem.batch_heads * state.problem.seq_len
+                drv.memset_d32(state.lse, NAN_BITS, rows)
         except drv.Error as error:
             raise _DeviceFault(f"poisoning the output: {error}") from error
         run()
@@ -580,8 +621,18 @@ class PyCudaBackend(Backend):
             return output
         return precision.from_storage(output, dtype)
 
-    def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray:
-        """The scalar kernel's output on this problem's inputs: the GPU reference, computed once."""
+    def _read_lse(self, drv: Any, state: _ProblemState) -> np.ndarray:
+        """The LSE buffer after a run, ``[batch*heads, seq_len]`` float32."""
+        lse = np.empty((state.problem.batch_heads, state.problem.seq_len), dtype=np.float32)
+        try:
+            drv.memcpy_dtoh(lse, state.lse)
+        except drv.Error as error:
+            raise _DeviceFault(str(error)) from error
+        return lse
+
+    def _scalar_output(self, drv: Any, state: _ProblemState) -> np.ndarray | None:
+        """The scalar kernel's output on this problem's inputs: the GPU reference, computed once;
+        None for a variant problem the scalar family refuses (the sampled CPU rows decide)."""
         if state.scalar_output is not None:
             return state.scalar_output
         problem, device = state.problem, self.device_profile()
@@ -593,6 +644,8 @@ class PyCudaBackend(Backend):
         ):
             threads //= 2
         plan = plan_kernel(problem, KernelParams("scalar_online", threads=threads), device)
+        if problem.has_variant and not plan.feasible:
+            return None
         compiled = build.compile_kernel(plan, self.cache_dir, arch=device.arch)
         if isinstance(compiled, build.CompileFailure):
             raise BackendError(f"the scalar reference kernel does not compile: {compiled.reason}")

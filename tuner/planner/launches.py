@@ -97,11 +97,11 @@ class BufferElements:
 
 @dataclass(frozen=True, slots=True)
 class DeviceBuffers:
-    """Device addresses of the buffers (0 for a buffer a plan does not use).
+    """Device addresses of the buffers (0 for a buffer a plan or a call does not use).
 
-    Besides q, k, v, out and the split scratch: ``alibi_slopes`` and ``sinks`` (float32,
-    one per query head) for problems with those variants, and ``lse`` (float32, one per
-    query row of every head) where the row log-sum-exps are asked for (the backward pass).
+    ``alibi_slopes`` and ``sinks``: float32 ``[heads]`` (one per query head), 0 when the
+    problem has no ALiBi or no sinks; ``lse``: float32 ``[batch*heads*seq_len]``, each row's
+    natural-log log-sum-exp of the scaled logits (sinks included), 0 when nobody asks for it.
     """
 
     q: int

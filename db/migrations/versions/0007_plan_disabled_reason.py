@@ -5,8 +5,8 @@ become slower than its stored time on this GPU, so that it is no longer served.
 in the history with the reason; the best pointer of its problem x environment
 moves to the next best plan that is not disabled (``db.writes.disable_plan``).
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-04
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
