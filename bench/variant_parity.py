@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kernels import build  # noqa: E402
+from kernels.attention_variants import alibi_slopes  # noqa: E402
 from tuner.costmodel import predict_time_ms  # noqa: E402
 from tuner.device import H200  # noqa: E402
 from tuner.planner import candidate_space  # noqa: E402
@@ -124,17 +125,6 @@ def prepare(directory: Path) -> None:
 # ---------------------------------------------------------------------------- the GPU side
 
 
-def standard_alibi_slopes(heads: int) -> list[float]:
-    """BLOOM's slopes: 2^(-8 h / n) for the closest power of two n <= heads, interleaved
-    with the next power's odd slopes for the rest."""
-    closest = 2 ** math.floor(math.log2(heads))
-    base = [2.0 ** (-8.0 * (h + 1) / closest) for h in range(closest)]
-    if closest == heads:
-        return base
-    extra = [2.0 ** (-4.0 * (2 * h + 1) / closest) for h in range(heads - closest)]
-    return base + extra
-
-
 def attention(q, k, v, problem: Problem, scale: float, slopes, sinks, compute) -> tuple:  # noqa: ANN001
     """Attention of [B, H, N, D] q and [B, KVH, M, D] k, v with the problem's variants, in
     `compute` (float64: the reference; the input dtype: the peer). Returns (out, lse)."""
@@ -203,7 +193,7 @@ def run(directory: Path, out: Path) -> int:
             return (torch.randn(*shape, device="cuda", generator=generator) * magnitude).to(dtype)
 
         q, k, v = draw(b, h, n, d), draw(b, kvh, m, d), draw(b, kvh, m, d, magnitude=1.0)
-        slopes = standard_alibi_slopes(h)
+        slopes = alibi_slopes(h).tolist()
         # Sinks well above the typical row max, so a kernel that drops them fails.
         sinks = (torch.rand(h, generator=generator, device="cuda") * 4 + 4).tolist()
         slopes_tensor = torch.tensor(slopes, device="cuda", dtype=torch.float32)

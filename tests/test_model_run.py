@@ -203,8 +203,8 @@ def test_variant_problems_are_tuned_apart(tmp_path, hydra_conf):
     ]
     names = sorted(counted_trials(tmp_path))
     assert len(names) == 2
-    assert names[0].startswith("1x16kv8x8192x256-bfloat16-causal-softcap=50@model-")
-    assert names[1].startswith("1x16kv8x8192x256-bfloat16-causal-window=4095-softcap=50@model-")
+    assert names[0].startswith("1x16kv8x8192x256-bfloat16-causal-cap50@model-")
+    assert names[1].startswith("1x16kv8x8192x256-bfloat16-causal-w4095-cap50@model-")
 
 
 def test_a_config_json_model_run(tmp_path, hydra_conf):

@@ -356,7 +356,7 @@ def test_problems_that_differ_only_by_a_variant_have_studies_of_their_own():
     names = {study_name(p, environment, {}) for p in (sliding, full, Problem(8192, 256))}
     assert len(names) == 3
     assert study_name(sliding, environment, {}).startswith(
-        "1x16kv8x8192x256-bfloat16-causal-window=4095-softcap=50@nvidia-h200-"
+        "1x16kv8x8192x256-bfloat16-causal-w4095-cap50@nvidia-h200-"
     )
     # A window that cuts nothing is no window: the plain problem's study.
     uncut = Problem(4096, 256, window_left=4095, **shape)
