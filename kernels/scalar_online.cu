@@ -65,7 +65,7 @@ scalar_online_attention(const float* __restrict__ q, const float* __restrict__ k
 #pragma unroll
         for (int d = 0; d < HEAD_DIM; ++d) score = fmaf(q_row[d], __ldg(k_row + d), score);
 #endif
-        if (!active || !mask.visible(row, key)) continue;
+        if (!active || !mask.in_band(row, key)) continue;  // keys stop at key_end <= kv_len
         const float new_max = fmaxf(row_max, score);
         const float correction = exp2f(row_max - new_max);
         const float p = exp2f(score - new_max);
