@@ -83,6 +83,12 @@ def cases() -> list[tuple[str, Problem, tuple[str, ...]]]:
                                          window_left=1024, sinks=True), DECODE_FAMILIES),
         ("decode_long_splits_lse", p(1, 128, batch=2, heads=16, kv_heads=4, kv_len=6000),
          DECODE_FAMILIES),
+        ("head_dim_192", p(333, 192, batch=2, heads=4, kv_heads=2), PREFILL_FAMILIES),
+        ("gemma_head_dim_256", p(700, 256, heads=8, kv_heads=4, causal=True, window_left=300,
+                                  softcap=50.0), PREFILL_FAMILIES),
+        ("decode_head_dim_256", p(1, 256, batch=2, heads=16, kv_heads=8, kv_len=3000,
+                                   causal=True, window_left=1000, softcap=50.0),
+         DECODE_FAMILIES),
     ]
 
 

@@ -100,7 +100,7 @@
 #define S_REGS (BLOCK_N / 2)                      // S accumulators a thread (m64nBLOCK_N f32)
 #define O_REGS (HEAD_DIM / 2)                     // O accumulators a thread
 
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim 64 or 128 (whole 128-byte chunks)");
+static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim of whole 128-byte chunks, up to 256");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128");
 static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");

@@ -20,6 +20,7 @@ from tuner.device import H200
 from tuner.planner import families
 from tuner.planner.families.wgmma_f16 import (
     FAMILY,
+    MAX_CONSUMER_REGISTERS,
     consumer_registers,
     consumer_registers_needed,
     swizzle_verdict,
@@ -81,7 +82,7 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
     ("tunables", "problem", "words"),
     [
         ({}, Problem(64, 64), "dtype float32 is not one of"),
-        ({}, Problem(256, 96, dtype="bfloat16"), "head_dim=96 is not one of (64, 128)"),
+        ({}, Problem(256, 96, dtype="bfloat16"), "head_dim=96 is not one of (64, 128, 192, 256)"),
         ({"block_n": 96}, BF16, "block_n=96 is not one of (64, 128)"),
         ({"stages": 5}, BF16, "2 to 4 stages"),
         ({"consumers": 3}, BF16, "one or two consumer warpgroups"),
@@ -127,7 +128,7 @@ def test_tma_and_swizzle_limits() -> None:
     for consumers in (1, 2):
         for block_n in (64, 128):
             for stages in (2, 3, 4):
-                for head_dim in (64, 128):
+                for head_dim in (64, 128, 192, 256):
                     assert swizzle_verdict(consumers, block_n, stages, head_dim) == ""
     assert "1024-byte atoms" in swizzle_verdict(1, 64, 2, 96)
 
@@ -196,3 +197,15 @@ def test_feasible_plans_keep_the_kernels_contract(
     assert splits * p.keys_per_sequence_split >= problem.kv_len
     assert p.launch.grid == (-(-seq_len // (64 * consumers)), splits, 16)
     assert (splits > 1) == (p.reduce_launch is not None)
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_wide_head_dims_fit_with_64_key_tiles(registered: None, head_dim: int) -> None:
+    # Gemma 2's head_dim 256 (and 192): the O accumulators take head_dim / 2 registers a
+    # consumer thread, so the register split and the shared-memory ring leave 64-key tiles.
+    problem = Problem(4096, head_dim, batch=2, heads=16, kv_heads=8, causal=True, dtype="bfloat16")
+    wide = plan(problem, consumers=2, block_n=64, stages=2, overlap=1)
+    assert wide.feasible, wide.reason
+    assert consumer_registers_needed(64, head_dim, overlap=True) <= MAX_CONSUMER_REGISTERS
+    too_many = plan(problem, consumers=2, block_n=128, stages=2, overlap=1)
+    assert not too_many.feasible

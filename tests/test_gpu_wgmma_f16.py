@@ -182,3 +182,39 @@ def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
         torch.cuda.synchronize()
         assert torch.equal(captured, fresh) and not torch.equal(captured, eager)
     ka.clear_default_instances()
+
+
+#: head_dim 192 and 256: the O accumulators leave room for 64-key tiles only (the planner
+#: refuses 128-key ones for registers and shared memory), two consumers or one
+WIDE_PLANS = (
+    (2, 64, 2, 1, 0, 1 << 16),
+    (2, 64, 2, 1, 1, 1 << 16),
+    (1, 64, 3, 1, 1, 1 << 16),
+    (1, 64, 2, 1, 0, 2),
+)
+
+
+def wide_problems() -> list[Problem]:
+    shapes = itertools.product((7, 129, 1000), (192, 256), ("bfloat16", "float16"), (False, True))
+    found = [Problem(n, d, batch=2, heads=2, causal=c, dtype=t) for n, d, t, c in shapes]
+    found.append(
+        Problem(300, 256, heads=8, kv_heads=4, kv_len=900, causal=True, dtype="bfloat16",
+                window_left=200, softcap=50.0)
+    )
+    return found
+
+
+@pytest.mark.parametrize("problem", wide_problems(), ids=lambda p: p.label().replace(" ", "-"))
+def test_wide_head_dims_match_the_reference(backend: PyCudaBackend, problem: Problem) -> None:
+    wrong = []
+    for values in WIDE_PLANS:
+        params = KernelParams("wgmma_f16", **dict(zip(NAMES, values, strict=True)))
+        plan = FAMILY.plan(problem, params, backend.device_profile())
+        if not plan.feasible:
+            assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
+            plan = dataclasses.replace(plan, feasible=True, reason="")
+        result = backend.measure(plan, problem)
+        if not result.ok:
+            wrong.append(f"{plan.key()}: {result.failure} {result.detail}")
+            assert result.failure is not Failure.RUNTIME_DEVICE, wrong[-1]
+    assert not wrong, "\n".join(wrong)

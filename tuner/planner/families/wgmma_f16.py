@@ -10,8 +10,9 @@ the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a threa
 consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over blocks as in
 ``mma_f16`` (same split contract and merge).
 
-Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64 or
-128 (whole 128-byte swizzle rows of 64 two-byte elements); the shared-memory ring against
+Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64, 128,
+192 or 256 (whole 128-byte swizzle rows of 64 two-byte elements; 96 would need the 64-byte
+swizzle and stays with mma_f16); the shared-memory ring against
 the block and SM limits; the register split (the consumers' accumulators fit the
 setmaxnreg target, the targets fit the register file); the TMA's box and stride limits;
 and the swizzle's 1024-byte alignment of every tile.
@@ -65,7 +66,7 @@ SM90_REGISTERS_PER_SM = 65536
 #: results) stay within accumulators + P + this.
 CONSUMER_OVERHEAD_REGISTERS = 48
 #: the kernel's head dims (whole swizzle rows) and key tiles (wgmma N of the S product)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 192, 256)
 BLOCK_NS = (64, 128)
 GRID_YZ_LIMIT = 65535
 #: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
