@@ -14,8 +14,9 @@ deployment calls: slopes and sinks as tensors) next to:
   function (what gpt-oss implementations on Flex do);
 * torch SDPA where it can express the variant: the window as a boolean mask, ALiBi as an
   additive float mask (the efficient backend); softcaps and sinks it cannot express;
-* the same shape's plain causal attention, tuned the same way (``--dense``): the window's
-  time against (visible pairs / causal pairs) x the causal time.
+* the same shape's plain causal attention with the same plan (``--dense``), both timed by
+  the tuner's own measurement (PyCUDA backend, parity-checked): the window's time against
+  (visible pairs / causal pairs) x the causal time.
 
 All on the same inputs, CUDA events, L2 flushed before each repetition; the tuned plan is
 timed before and after the peers. Ratios > 1: ours is faster. TFLOP/s on visible pairs.
@@ -75,9 +76,11 @@ def dense_of(problem: Problem) -> Problem:
                    dtype=problem.dtype)
 
 
-def tune(problem: Problem, work: Path, cache_dir: Path, timeout_s: float) -> dict[str, Any]:
+def tune(problem: Problem, work: Path, cache_dir: Path, timeout_s: float,
+         extra: list[str]) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    command = tune_command(problem, work, cache_dir, overrides=variant_overrides(problem))
+    command = tune_command(problem, work, cache_dir,
+                           overrides=[*variant_overrides(problem), *extra])
     tuning = run_tuning(command, work / "tune.log", timeout_s)
     best = read_best(f"sqlite:///{work / 'plans.sqlite'}", problem)
     return {"command": shlex.join(command), "tuning": tuning, "stored": best,
@@ -90,8 +93,35 @@ def timed(torch: Any, run: Any, flush: Any, repetitions: int) -> dict[str, Any]:
     return {"median_ms": stats.median_ms, "spread_ms": stats.spread_ms}
 
 
-def measure(problem: Problem, registry: str, dense_registry: str | None,
-            repetitions: int) -> dict[str, Any]:
+def window_against_dense(problem: Problem, stored: dict[str, Any], cache_dir: Path,
+                         repetitions: int) -> dict[str, Any]:
+    """The stored plan's time on the problem and on its plain causal twin, same kernel
+    parameters, through the tuner's measurement."""
+    from kernels.backends.pycuda_backend import PyCudaBackend
+    from tuner.planner.params import KernelParams
+    from tuner.planner.tunable import plan_kernel
+
+    gpu = PyCudaBackend(0, cache_dir=cache_dir, repetitions=repetitions, warmup=5)
+    try:
+        device = gpu.device_profile()
+        params = KernelParams.from_stored(stored["family"], stored["params"])
+        result = {}
+        for name, which in (("windowed", problem), ("dense", dense_of(problem))):
+            plan = plan_kernel(which, params, device)
+            m = gpu.measure(plan, which)
+            result[name] = {"plan": plan.key(), "ok": m.ok, "median_ms": m.median_ms,
+                            "failure": m.failure and str(m.failure)}
+        pairs = problem.attended_pairs / dense_of(problem).attended_pairs
+        if result["windowed"]["ok"] and result["dense"]["ok"]:
+            expected = pairs * result["dense"]["median_ms"]
+            result["window_time_over_proportional"] = result["windowed"]["median_ms"] / expected
+        result["visible_over_dense_pairs"] = pairs
+        return result
+    finally:
+        gpu.close()
+
+
+def measure(problem: Problem, registry: str, repetitions: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as functional
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -191,16 +221,6 @@ def measure(problem: Problem, registry: str, dense_registry: str | None,
                 except RuntimeError as error:
                     result[name] = {"error": str(error).splitlines()[0]}
             del k_full, v_full
-        # ---- the same shape dense (causal), ours and cuDNN/flash
-        if dense_registry is not None:
-            dense = dense_of(problem)
-
-            def ours_dense() -> Any:
-                return kernels.attention(q, k, v, dense.causal, dense_registry)
-
-            ours_dense()
-            result["ours_dense_causal"] = timed(torch, ours_dense, flush, repetitions)
-            result["visible_over_dense_pairs"] = problem.attended_pairs / dense.attended_pairs
         result["ours_again"] = timed(torch, ours, flush, repetitions)
         ours_ms = min(result["ours"]["median_ms"], result["ours_again"]["median_ms"])
         result["ours_tflops"] = visible_flops / (ours_ms * 1e-3) / 1e12
@@ -209,9 +229,6 @@ def measure(problem: Problem, registry: str, dense_registry: str | None,
             for name, entry in result.items()
             if isinstance(entry, dict) and "median_ms" in entry and not name.startswith("ours")
         }
-        if dense_registry is not None:
-            expected = result["visible_over_dense_pairs"] * result["ours_dense_causal"]["median_ms"]
-            result["window_time_over_proportional"] = ours_ms / expected
     torch.cuda.empty_cache()
     return result
 
@@ -222,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, required=True)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dense", nargs="*", default=["mistral"], choices=list(SHAPES),
-                        help="shapes whose plain causal attention is tuned and timed too")
+                        help="shapes whose stored plan is also timed on the plain causal twin")
     parser.add_argument("--repetitions", type=int, default=20)
     parser.add_argument("--tune-timeout-s", type=float, default=120.0)
+    parser.add_argument("--tuner-args", nargs="*", default=[],
+                        help="extra key=value overrides of the tuning command")
     args = parser.parse_args(argv)
     cache_dir = args.work_dir / "cubins"
     report: dict[str, Any] = {
@@ -235,23 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes:
         problem = SHAPES[name]
         entry: dict[str, Any] = {"problem": problem.label()}
-        entry["tuned"] = tune(problem, args.work_dir / name, cache_dir, args.tune_timeout_s)
-        dense_registry = None
-        if name in args.dense:
-            entry["dense_tuned"] = tune(dense_of(problem), args.work_dir / f"{name}-dense",
-                                        cache_dir, args.tune_timeout_s)
-            dense_registry = entry["dense_tuned"]["registry"]
-        if entry["tuned"]["stored"] is not None:
-            entry |= measure(problem, entry["tuned"]["registry"], dense_registry,
-                             args.repetitions)
+        entry["tuned"] = tune(problem, args.work_dir / name, cache_dir, args.tune_timeout_s,
+                              args.tuner_args)
+        stored = entry["tuned"]["stored"]
+        if stored is not None:
+            entry |= measure(problem, entry["tuned"]["registry"], args.repetitions)
+            if name in args.dense:
+                entry["window_against_dense"] = window_against_dense(
+                    problem, stored, cache_dir, args.repetitions)
         report["shapes"][name] = entry
         args.out.write_text(json.dumps(report, indent=1, default=str))
         print(f"{name:8s} {problem.label()}: ours {entry.get('ours_tflops', 0):.0f} TF "
               f"({(entry['tuned']['stored'] or {}).get('key')}, tuned in "
               f"{entry['tuned']['tuning']['wall_s']} s) "
               + " ".join(f"{k} {v:.2f}x" for k, v in entry.get("ratios", {}).items())
-              + (f" window/proportional {entry['window_time_over_proportional']:.2f}"
-                 if "window_time_over_proportional" in entry else ""), flush=True)
+              + (" window/proportional "
+                 f"{entry['window_against_dense'].get('window_time_over_proportional')}"
+                 if "window_against_dense" in entry else ""), flush=True)
     return 0
 
 
