@@ -68,6 +68,7 @@ PROBLEMS = [
 C_TYPES = {
     "float*": np.uintp,
     "elem_t*": np.uintp,
+    "int*": np.uintp,
     "int": np.int32,
     "float": np.float32,
     "CUtensorMap": TensorMap,

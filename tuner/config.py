@@ -24,7 +24,7 @@ from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
+from tuner.problem import DIRECTIONS, FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 
 @dataclass
@@ -132,6 +132,8 @@ class TunerConfig:
     #: float32 only: "tf32x3" (null means it: float32-class error) or "tf32" (one-pass
     #: TF32 tensor-core plans allowed too); null for bfloat16/float16
     precision: Any = None
+    #: "forward" (the attention) or "backward" (its gradients dQ, dK, dV: training)
+    direction: Any = "forward"
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -280,7 +282,8 @@ def _axes() -> Rule:
 
 _BOOL = Rule("true or false", lambda v: isinstance(v, bool))
 _SHAPE_KEYS = (
-    "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision"
+    "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision",
+    "direction",
 )
 _AXIS_KEYS = (
     "families",
@@ -306,6 +309,7 @@ RULES: dict[str, Rule] = {
         f"one of {', '.join(FLOAT32_PRECISIONS)} or null (float32 only)",
         lambda v: v is None or (isinstance(v, str) and v in FLOAT32_PRECISIONS),
     ),
+    "direction": _one_of(DIRECTIONS),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -541,6 +545,7 @@ def problem_from(config: TunerConfig) -> Problem:
         kv_heads=kv_heads,
         kv_len=kv_len,
         precision=config.precision or "",
+        direction=config.direction,
     )
 
 
@@ -609,13 +614,15 @@ def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceA
         raise ConfigError(f"{shape} is invalid: cannot be planned: {error}") from error
     if space.feasible:
         return
-    if not families_for(problem.dtype):
+    if not families_for(problem.dtype, problem.direction):
         takers = ", ".join(
-            f"{family.name} ({'/'.join(family.dtypes)})" for family in registered()
+            f"{family.name} ({'/'.join(family.dtypes)}, {family.direction})"
+            for family in registered()
         )
         raise ConfigError(
-            f"dtype={problem.dtype} is invalid: no registered kernel family takes it, so "
-            f"pruning left nothing to search (families: {takers})"
+            f"dtype={problem.dtype} is invalid: no registered kernel family takes it in the "
+            f"{problem.direction} direction, so pruning left nothing to search "
+            f"(families: {takers})"
         )
     summary = rejection_summary(space)
     example = f"; most often: {summary[0].example}" if summary else ""

@@ -44,7 +44,8 @@ def study_name(
     """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
-    ``<seq_len>kv<kv_len>``; self-attention names are what they always were.
+    ``<seq_len>kv<kv_len>``, a backward problem's mask ``<mask>-backward``; self-attention
+    forward names are what they always were.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -56,6 +57,8 @@ def study_name(
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
+    if problem.backward:  # forward studies keep the names they had
+        mask += "-backward"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
     name = f"{shape}-{problem.dtype_label}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
