@@ -31,7 +31,13 @@ from db.registry import PlanRegistry, upgrade_registry
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem, shape_error
+from tuner.problem import (
+    DIRECTIONS,
+    FLOAT32_PRECISIONS,
+    SUPPORTED_DTYPES,
+    Problem,
+    shape_error,
+)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -66,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=FLOAT32_PRECISIONS,
         help="float32 only: tf32x3 (the default) or tf32 (one-pass TF32 plans)",
+    )
+    shape.add_argument(
+        "--direction",
+        choices=DIRECTIONS,
+        default="forward",
+        help="forward (the attention) or backward (its gradients)",
     )
     shape.add_argument(
         "--gpu-name",
@@ -149,6 +161,7 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         kv_heads=args.kv_heads,
         kv_len=args.kv_len,
         precision=args.precision or "",
+        direction=args.direction,
     )
 
 

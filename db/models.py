@@ -114,6 +114,7 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
         "kv_heads": problem.kv_heads,
         "kv_len": problem.kv_len,
         "precision": problem.precision,
+        "direction": problem.direction,
     }
 
 
@@ -180,13 +181,14 @@ class ProblemRow(Base):
     """One attention shape; one row per distinct shape."""
 
     __tablename__ = "problems"
-    # Column order puts (head_dim, dtype, precision, causal) first so that the same
+    # Column order puts (head_dim, dtype, precision, direction, causal) first so that the same
     # unique index serves both the exact lookup and the nearest-shape candidates.
     __table_args__ = (
         UniqueConstraint(
             "head_dim",
             "dtype",
             "precision",
+            "direction",
             "causal",
             "seq_len",
             "batch",
@@ -211,6 +213,8 @@ class ProblemRow(Base):
     # Added by revision 0005: "tf32x3" or "tf32" for float32 (rows from before it
     # read as "tf32x3", the accurate precision), "" for the half dtypes.
     precision: Mapped[str] = mapped_column(String(16), server_default="")
+    # Added by revision 0006: "forward" or "backward" (rows from before it read "forward").
+    direction: Mapped[str] = mapped_column(String(16), server_default="forward")
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -228,6 +232,7 @@ class ProblemRow(Base):
             kv_heads=problem.kv_heads,
             kv_len=problem.kv_len,
             precision=problem.precision,
+            direction=problem.direction,
         )
 
     def to_problem(self) -> Problem:
@@ -241,6 +246,7 @@ class ProblemRow(Base):
             kv_heads=self.kv_heads,
             kv_len=self.kv_len,
             precision=self.precision,
+            direction=self.direction,
         )
 
 

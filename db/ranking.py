@@ -13,7 +13,7 @@ the plan already there. A plan is *stale* when it was measured and the caller's
 there is nothing to judge by.
 
 Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
-share head_dim, dtype, precision, causal and the group size (query heads per
+share head_dim, dtype, precision, direction, causal and the group size (query heads per
 KV head) with the asked problem. They are ordered by
 
 1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len (query length:
@@ -86,6 +86,7 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
         candidate.head_dim == asked.head_dim
         and candidate.dtype == asked.dtype
         and candidate.precision == asked.precision
+        and candidate.direction == asked.direction
         and candidate.causal == asked.causal
         and candidate.group == asked.group
     )

@@ -54,6 +54,7 @@ SHAPE_FAMILY_TERMS = (
     "q.head_dim = :head_dim",
     "q.dtype = :dtype",
     "q.precision = :precision",
+    "q.direction = :direction",
     "q.causal = :causal",
     "q.heads = q.kv_heads * :group",
 )
@@ -148,6 +149,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
         "head_dim": problem.head_dim,
         "dtype": problem.dtype,
         "precision": problem.precision,
+        "direction": problem.direction,
         "causal": problem.causal,
         "group": problem.group,
     }
@@ -180,8 +182,9 @@ def _environment_filter(environment: EnvironmentMatch) -> tuple[tuple[str, ...],
 def best_pointers(
     connection: Connection, problem: Problem, environment: EnvironmentMatch | None, *, exact: bool
 ) -> list[FoundPlan]:
-    """The best-pointer plans of ``problem`` (exact) or of its shape family (same
-    head_dim, dtype, precision, causal), in the environment(s) ``environment`` matches or in any."""
+    """The best-pointer plans of ``problem`` (exact) or of its shape family (same head_dim,
+    dtype, precision, direction, causal), in the environment(s) ``environment`` matches or in
+    any."""
     where = EXACT_SHAPE_TERMS if exact else SHAPE_FAMILY_TERMS
     params = _problem_params(problem, exact=exact)
     if environment is not None:
@@ -248,7 +251,7 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 
 def every_best(connection: Connection) -> list[FoundPlan]:
     order = (
-        "q.head_dim, q.dtype, q.precision, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads,"
-        " q.kv_len, e.id"
+        "q.head_dim, q.dtype, q.precision, q.direction, q.causal, q.seq_len, q.batch, q.heads,"
+        " q.kv_heads, q.kv_len, e.id"
     )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

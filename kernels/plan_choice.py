@@ -1,7 +1,8 @@
 """Which kernel plan a shape runs with at deploy time, chosen once per shape and GPU.
 
-``PlanChooser.plan_for(problem)`` asks the registry once per (shape, causal, dtype) with the
-live GPU's ``Environment`` and the current kernel source hashes. A stale (source changed) or
+``PlanChooser.plan_for(problem)`` asks the registry once per problem (shape, causal, dtype,
+direction: a backward problem gets a backward plan) with the live GPU's ``Environment`` and
+the current kernel source hashes. A stale (source changed) or
 predicted-only plan is used with a warning, a plan tuned on the same GPU model under another
 toolchain too; a plan from another GPU is not used, nor one stored for another dtype or of a
 family that does not take the problem's dtype. Without one, the planner's default plan (among
@@ -171,20 +172,28 @@ class PlanChooser:
         """``stored`` if it was stored for ``problem``'s dtype and precision; a plan is never
         served across them (the registry asks by both already: this guards against a handle
         that does not; re-planning then refuses one-pass TF32 for a tf32x3 problem too)."""
-        if (stored.problem.dtype, stored.problem.precision) == (problem.dtype, problem.precision):
+        served_for = (stored.problem.dtype, stored.problem.precision, stored.problem.direction)
+        if served_for == (problem.dtype, problem.precision, problem.direction):
             return stored, ""
+        stored_for = stored.problem.dtype_label
+        if stored.problem.direction != problem.direction:
+            stored_for += f" {stored.problem.direction}"
         return None, (
             f"registry {self._label} answered {problem.label()} with a plan stored for "
-            f"{stored.problem.dtype_label}; not used"
+            f"{stored_for}; not used"
         )
 
     def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:
         record = stored.record
         if record.family not in family_names():
             return f"{record.family} {record.params} is not a kernel this version knows"
-        if record.family not in families_for(problem.dtype):
-            takes = ", ".join(family_named(record.family).dtypes)
-            return f"{record.family} kernels take {takes}, not {problem.dtype}"
+        if record.family not in families_for(problem.dtype, problem.direction):
+            family = family_named(record.family)
+            takes = ", ".join(family.dtypes)
+            return (
+                f"{record.family} kernels take {takes} in the {family.direction} direction, "
+                f"not {problem.dtype} {problem.direction}"
+            )
         missing = [
             tunable.name
             for tunable in family_named(record.family).tunables
@@ -224,8 +233,11 @@ class PlanChooser:
 
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)
-        if not families_for(problem.dtype):
-            raise BackendError(f"no registered kernel family takes {problem.dtype} ({label})")
+        if not families_for(problem.dtype, problem.direction):
+            raise BackendError(
+                f"no registered kernel family takes {problem.dtype} in the {problem.direction} "
+                f"direction ({label})"
+            )
         if not space.feasible:
             first = space.rejected[0].reason if space.rejected else "none planned"
             raise BackendError(
