@@ -187,13 +187,12 @@ class PlanChooser:
         record = stored.record
         if record.family not in family_names():
             return f"{record.family} {record.params} is not a kernel this version knows"
-        if record.family not in families_for(problem.dtype, problem.direction):
-            family = family_named(record.family)
+        family = family_named(record.family)
+        if problem.dtype not in family.dtypes:
             takes = ", ".join(family.dtypes)
-            return (
-                f"{record.family} kernels take {takes} in the {family.direction} direction, "
-                f"not {problem.dtype} {problem.direction}"
-            )
+            return f"{record.family} kernels take {takes}, not {problem.dtype}"
+        if reason := family.direction_verdict(problem):
+            return reason
         missing = [
             tunable.name
             for tunable in family_named(record.family).tunables
@@ -234,9 +233,9 @@ class PlanChooser:
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)
         if not families_for(problem.dtype, problem.direction):
+            backward = " in the backward direction" if problem.backward else ""
             raise BackendError(
-                f"no registered kernel family takes {problem.dtype} in the {problem.direction} "
-                f"direction ({label})"
+                f"no registered kernel family takes {problem.dtype}{backward} ({label})"
             )
         if not space.feasible:
             first = space.rejected[0].reason if space.rejected else "none planned"

@@ -18,6 +18,18 @@ and dtypes propagate through a traced graph.
 ``torch.compile(fullgraph=True)`` of a model that calls ``kernels.attention`` puts one op node in
 the graph where the call was. Importing this module imports torch; ``import kernels`` does not
 import it.
+
+Training (bfloat16/float16 inputs of which one requires grad, grad mode on) takes two more ops:
+
+* ``attention_with_lse(q, k, v, causal, registry, nearest) -> (out, lse)``: the forward, with
+  each row's log-sum-exp (float32 ``[batch, heads, seq_len]``); its autograd formula
+  (``register_autograd``) saves q, k, v, out and lse and calls
+* ``attention_backward(dout, q, k, v, out, lse, causal, registry, nearest, deterministic) ->
+  (dq, dk, dv)``, deterministic when ``torch.are_deterministic_algorithms_enabled()``.
+
+Both have fake implementations, so AOTAutograd traces a training step's joint graph with them
+(``torch.compile(fullgraph=True)`` of forward + ``backward()``); like the others they allocate
+only their outputs and scratch from torch's allocator and never wait, so CUDA graphs take them.
 """
 
 from __future__ import annotations
@@ -26,7 +38,13 @@ from typing import Any
 
 import torch
 
-from kernels.attention_args import AttentionInputTypeError, check_traced
+from kernels.attention_args import (
+    AttentionInputTypeError,
+    check_differentiable_dtype,
+    check_traced,
+    differentiable,
+    wants_grad,
+)
 
 NAMESPACE = "flash_attention_tuner"
 
@@ -92,6 +110,128 @@ def _attention_into_fake(
     check_traced(q, k, v, out)
 
 
+# ---------------------------------------------------------------------------- training
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_with_lse", mutates_args=(), device_types="cuda"
+)
+def attention_with_lse_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels.deploy import default_instance
+
+    return default_instance(registry, nearest=nearest).attention_with_lse(q, k, v, causal)
+
+
+@attention_with_lse_op.register_fake
+def _attention_with_lse_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_traced(q, k, v)
+    check_differentiable_dtype(str(q.dtype).removeprefix("torch."))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_backward", mutates_args=(), device_types="cuda"
+)
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from kernels.deploy import default_instance
+
+    attend = default_instance(registry, nearest=nearest)
+    return attend.attention_backward(dout, q, k, v, out, lse, causal, deterministic)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_traced(q, k, v, out)
+    check_traced(dout, k, v)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    q, k, v, causal, registry, nearest = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)  # the LSE is for the backward, not a result to train on
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.registry, ctx.nearest = causal, registry, nearest
+
+
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[Any, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ctx.causal,
+        ctx.registry,
+        ctx.nearest,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    return dq, dk, dv, None, None, None
+
+
+attention_with_lse_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def differentiable_call(
+    registry_url: str | None,
+    registry: Any,
+    nearest: bool,
+    q: Any,
+    k: Any,
+    v: Any,
+    causal: Any,
+) -> torch.Tensor:
+    """A call that autograd differentiates (eager or traced): ``attention_with_lse``'s output;
+    the LSE stays with autograd for the backward."""
+    if registry_url is None and registry is not None:
+        raise AttentionInputTypeError(
+            "a differentiable call needs the registry as a URL or None, not an open registry "
+            f"handle ({type(registry).__name__}): pass its URL"
+        )
+    if not isinstance(causal, bool):
+        raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
+    out, _ = attention_with_lse_op(q, k, v, causal, registry_url, nearest)
+    return out
+
+
 def traced_call(
     registry_url: str | None,
     registry: Any,
@@ -114,6 +254,9 @@ def traced_call(
         raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
     if precision is not None and not isinstance(precision, str):
         raise AttentionInputTypeError(f"precision must be a str or None, got {precision!r}")
+    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
+    if tensors and wants_grad(q, k, v, torch) and differentiable(q, out, precision, torch):
+        return differentiable_call(registry_url, registry, nearest, q, k, v, causal)
     if out is None:
         return attention_op(q, k, v, causal, registry_url, nearest, precision)
     attention_into_op(q, k, v, out, causal, registry_url, nearest, precision)

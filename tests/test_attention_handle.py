@@ -40,8 +40,8 @@ def test_launch_arguments_are_packed_once_by_role() -> None:
     named = [(t.name, t.function) for t in templates]
     assert named == [("tiled_attention", 100), ("split_merge", 101)]
     roles = [[a for a in t.arguments if isinstance(a, str)] for t in templates]
-    assert roles[0] == ["q", "k", "v", "out", "partial_o", "partial_ml"]
-    assert sorted(roles[1]) == ["out", "partial_ml", "partial_o"]
+    assert roles[0] == ["q", "k", "v", "out", "partial_o", "partial_ml", "lse"]
+    assert sorted(roles[1]) == ["lse", "out", "partial_ml", "partial_o"]
     # Packed once per stream; a launch reads the addresses the last call wrote.
     chosen = plan_choice.ChosenPlan(split, "default")
     driver = Recording()
@@ -129,7 +129,8 @@ def test_a_slot_keeps_what_its_packed_pointers_point_at() -> None:
         for i, value in enumerate(first)
     ]
     assert seen[0] == 4096 and seen[4:6] == [1 << 33, 1 << 33]
-    assert seen[6:] == pytest.approx([float(value) for value in first[6:]])
+    assert seen[6:-1] == pytest.approx([float(value) for value in first[6:-1]])
+    assert seen[-1] == 0  # the LSE's pointer: null unless a call asks for it
 
 
 class TensorMapLibrary:

@@ -40,11 +40,14 @@ from tuner.errors import BackendError
 from tuner.planner.launches import TensorMap
 from tuner.problem import Problem
 
-#: buffer roles, in ``DeviceBuffers`` order
-ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml")
+#: buffer roles (``DeviceBuffers`` fields); ``lse`` is null but for a call that asks for the
+#: log-sum-exps (the forward of a training step)
+ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml", "lse")
 #: addresses no allocation has (above 2**63), one per role: where a launch built with these has
 #: one, that argument is that buffer's pointer
-BUFFER_MARKERS = DeviceBuffers(*((0xF1A5 << 48) + index for index in range(len(ROLES))))
+BUFFER_MARKERS = DeviceBuffers(
+    **{role: (0xF1A5 << 48) + index for index, role in enumerate(ROLES)}
+)
 
 #: where a slot's tensor maps point until the first call re-points them: 16-byte aligned (the
 #: encoder checks alignment, not the memory) and far below any CUDA device allocation
@@ -67,11 +70,16 @@ class LaunchTemplate:
 
 
 def launch_templates(
-    launches: tuple[KernelLaunch, ...], functions: dict[str, int]
+    launches: tuple[KernelLaunch, ...],
+    functions: dict[str, int],
+    markers: dict[int, str] | None = None,
 ) -> tuple[LaunchTemplate, ...]:
-    """``launches`` (built with ``BUFFER_MARKERS``) with each pointer argument named by role."""
-    addresses = _addresses(BUFFER_MARKERS)
-    markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
+    """``launches`` (built with ``BUFFER_MARKERS``, or with the addresses of ``markers``:
+    address -> role) with each pointer argument named by role."""
+    if markers is None:
+        addresses = _addresses(BUFFER_MARKERS)
+        markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
+    roles = tuple(markers.values())
     templates = []
     for launch in launches:
         arguments: list[str | TensorMap | np.int32 | np.float32 | np.uintp] = []
@@ -91,7 +99,7 @@ def launch_templates(
                 if role is None:
                     raise BackendError(
                         f"{launch.function} argument {position} is a pointer that is none of "
-                        f"the buffers {', '.join(ROLES)}; the deploy path cannot pack it"
+                        f"the buffers {', '.join(roles)}; the deploy path cannot pack it"
                     )
                 arguments.append(role)
             else:
@@ -125,6 +133,7 @@ class StreamSlot:
         tensor_maps: tuple[Any, ...] = (),
     ) -> None:
         self.q, self.k, self.v, self.out = (pointers[role] for role in ROLES[:4])
+        self.lse = pointers["lse"]
         #: the encoded TMA descriptors the packed launches point at (re-pointed per call)
         self.tensor_maps = tensor_maps
         # The argument objects live here: the drivers' ``void*[]`` hold only their addresses.
@@ -226,10 +235,12 @@ class AttentionHandle:
 
     # ------------------------------------------------------------------ per call
 
-    def launch(self, slot: StreamSlot, q: int, k: int, v: int, out: int) -> None:
-        """The plan's launches on the slot's stream, in the current context; no waiting."""
+    def launch(self, slot: StreamSlot, q: int, k: int, v: int, out: int, lse: int = 0) -> None:
+        """The plan's launches on the slot's stream, in the current context; no waiting.
+        ``lse``: where the rows' log-sum-exps go (0: nowhere)."""
         with slot.lock:  # another thread must not rewrite the addresses before the launch
             slot.q.value, slot.k.value, slot.v.value, slot.out.value = q, k, v, out
+            slot.lse.value = lse or None
             for encoded in slot.tensor_maps:
                 address = (
                     q if encoded.spec.buffer == "q" else k if encoded.spec.buffer == "k" else v
@@ -247,12 +258,17 @@ class AttentionHandle:
             status = call()
         self.driver.check(status, f"{self.plan.key()} on cuda:{self.device}")
 
-    def run_torch(self, like: Any, q: int, k: int, v: int, out: Any, torch: Any) -> Any:
+    def run_torch(
+        self, like: Any, q: int, k: int, v: int, out: Any, torch: Any, lse: Any = None
+    ) -> Any:
         """Launch on torch's current stream of this GPU; the result is ``out`` or a new tensor
-        like ``like`` (q). The caller checked the tensors (``kernels.attention_args``)."""
+        like ``like`` (q). The caller checked the tensors (``kernels.attention_args``).
+        ``lse``: a float32 tensor of ``[batch, heads, seq_len]`` the rows' natural-log
+        log-sum-exps go to (the forward of a training step), or None."""
         native = torch._C
         if native._cuda_getDevice() != self.device:
-            return self._run_torch_elsewhere(like, q, k, v, out, torch)
+            with torch.cuda.device(self.device):  # run under this GPU, as torch's ops do
+                return self.run_torch(like, q, k, v, out, torch, lse)
         stream = native._cuda_getCurrentRawStream(self.device)
         result = torch.empty_like(like) if out is None else out
         if self.has_scratch and native._cuda_isCurrentStreamCapturing():
@@ -262,13 +278,8 @@ class AttentionHandle:
             slot = self._slots.get(stream)
             if slot is None:
                 slot = self.slot(stream, _torch_allocator(torch, like.device))
-        self.launch(slot, q, k, v, result.data_ptr())
+        self.launch(slot, q, k, v, result.data_ptr(), 0 if lse is None else lse.data_ptr())
         return result
-
-    def _run_torch_elsewhere(self, like: Any, q: int, k: int, v: int, out: Any, torch: Any):
-        """torch's current device is another GPU: run under this one, as torch's ops do."""
-        with torch.cuda.device(self.device):
-            return self.run_torch(like, q, k, v, out, torch)
 
     def close(self) -> None:
         with self._lock:
