@@ -54,7 +54,7 @@ from kernels.backends.backward_handle import (
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.cuda_driver import CudaDriver
 from kernels.launch import KernelLaunch, buffer_elements, launch_sequence
-from kernels.plan_choice import PlanChooser
+from kernels.plan_choice import ChosenPlan, PlanChooser
 from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
@@ -201,11 +201,16 @@ class DeviceRunner:
                     f"cannot run: {checked}"
                 )
             chosen = dataclasses.replace(chosen, plan=checked)
+        return self.backward_handle_of(chosen)
+
+    def backward_handle_of(self, chosen: ChosenPlan) -> BackwardHandle:
+        """A handle of the given backward plan (compiled and loaded now; not cached): what
+        ``backward_handle`` resolves to, and what a benchmark times plan by plan."""
         launches = launch_sequence(chosen.plan, BACKWARD_MARKERS)  # type: ignore[arg-type]
         functions = self._load(chosen.plan, launches)
         family = chosen.plan.kernel_family
         return BackwardHandle(
-            problem,
+            chosen.plan.problem,
             self.index,
             chosen,
             launch_templates(launches, functions, backward_marker_roles()),
