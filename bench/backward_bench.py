@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON results file")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--candidates", type=int, default=3, help="our plans timed per shape")
+    parser.add_argument("--candidates", type=int, default=6, help="our plans timed per shape")
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--flex", action="store_true", help="also FlexAttention (slow compile)")

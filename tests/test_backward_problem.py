@@ -75,3 +75,20 @@ def test_a_bad_direction_and_a_backward_dtype_without_a_family_are_one_line() ->
     message = str(caught.value)
     assert "no registered kernel family takes it in the backward direction" in message
     assert "\n" not in message and "mma_f16_bwd (bfloat16/float16, backward)" in message
+
+
+def test_the_run_table_of_a_backward_study_adds_the_forward_and_the_sum() -> None:
+    from tuner.report import best_table
+    from tuner.trials import SearchResult, TrialOutcome
+
+    def trial(number: int, key: str, ms: float, forward_ms: float | None) -> TrialOutcome:
+        return TrialOutcome(number, "COMPLETE", "measured", key, {}, measured=True,
+                            median_ms=ms, forward_ms=forward_ms)  # fmt: skip
+
+    backward = SearchResult("s", "sqlite://", [trial(0, "a", 2.0, 1.25), trial(1, "b", 3.0, 1.25)])
+    lines = best_table(backward).splitlines()
+    assert lines[0].split()[:6] == ["rank", "plan", "median", "ms", "forward", "ms"]
+    assert "fwd+bwd ms" in lines[0]
+    assert lines[2].split()[2:5] == ["2.0000", "1.2500", "3.2500"]
+    forward = SearchResult("s", "sqlite://", [trial(0, "a", 2.0, None)])
+    assert "fwd+bwd" not in best_table(forward)

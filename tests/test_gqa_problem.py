@@ -68,6 +68,7 @@ def test_labels_study_names_and_registry_keys_of_old_problems_are_unchanged() ->
         "kv_heads": 16,
         "kv_len": 4096,
         "precision": "",  # half dtypes: precision does not apply
+        "direction": "forward",  # revision 0006: every row from before it reads forward
     }
 
 
