@@ -40,7 +40,7 @@ from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.launches import BackwardBuffers, KernelArgument, scale_log2
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
-from tuner.problem import Problem
+from tuner.problem import MATMULS_PER_PAIR, Problem
 
 ELEMENT_BYTES = 2
 #: shared rows carry 8 extra elements (16 bytes): conflict-free ldmatrix (as mma_f16)
@@ -311,7 +311,7 @@ class MmaF16Backward(BackwardFamily):
             pipelined=True,
             bytes_in_flight=block_m * (2 * d * p.element_bytes + 2 * F32_BYTES),
             registers=min(mma_f16_bwd_registers(keys_per_warp, d, q_chunk), 255),
-            matmuls_per_pair=5,
+            matmuls_per_pair=MATMULS_PER_PAIR["backward"],
         )
 
 
