@@ -37,8 +37,14 @@ CASES = [
     # MQA split over two shares (float32 dK/dV partials summed), deterministic dQ
     (
         Problem(45, 64, batch=2, heads=4, kv_heads=1, dtype="bfloat16", kv_len=70),
-        {"block_m": 32, "block_n": 64, "warps": 4, "q_chunk": 16, "group_split": 2,
-         "deterministic": 1},
+        {
+            "block_m": 32,
+            "block_n": 64,
+            "warps": 4,
+            "q_chunk": 16,
+            "group_split": 2,
+            "deterministic": 1,
+        },
     ),  # fmt: skip
     # a window whose rows past kv_len see no key at all (LSE +inf), deterministic order
     (
@@ -47,8 +53,9 @@ CASES = [
     ),
     # softcap (its derivative), ALiBi and sinks (their gradient), causal
     (
-        Problem(33, 64, heads=2, causal=True, dtype="bfloat16", softcap=3.0, alibi=True,
-                sinks=True),
+        Problem(
+            33, 64, heads=2, causal=True, dtype="bfloat16", softcap=3.0, alibi=True, sinks=True
+        ),
         {"block_m": 32, "block_n": 64, "warps": 4, "q_chunk": 32},
     ),  # fmt: skip
 ]
@@ -97,4 +104,3 @@ def test_a_transposed_fragment_fails_the_check_which_says_where() -> None:
     dk = run.gradients["dk"].reshape(-1, 8, 8).transpose(0, 2, 1).reshape(-1)
     broken = reference.check(run.gradients | {"dk": dk})
     assert not broken.ok and "worst dk at [KV head, key, column]" in broken.detail
-

@@ -45,9 +45,7 @@ from tuner.problem import Problem
 ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml", "lse")
 #: addresses no allocation has (above 2**63), one per role: where a launch built with these has
 #: one, that argument is that buffer's pointer
-BUFFER_MARKERS = DeviceBuffers(
-    **{role: (0xF1A5 << 48) + index for index, role in enumerate(ROLES)}
-)
+BUFFER_MARKERS = DeviceBuffers(**{role: (0xF1A5 << 48) + index for index, role in enumerate(ROLES)})
 
 #: where a slot's tensor maps point until the first call re-points them: 16-byte aligned (the
 #: encoder checks alignment, not the memory) and far below any CUDA device allocation

@@ -141,9 +141,7 @@ def marker_addresses(buffers: type) -> dict[str, int]:
     return {f.name: (0xF1A5 << 48) + i for i, f in enumerate(fields(buffers))}
 
 
-def emulate_backward(
-    forward: KernelPlan, backward: KernelPlan, seed: int = 0
-) -> EmulatedBackward:
+def emulate_backward(forward: KernelPlan, backward: KernelPlan, seed: int = 0) -> EmulatedBackward:
     """The forward plan's launches (with LSE), then the backward plan's, on seeded inputs;
     every output poisoned (NaN, counters garbage) first."""
     problem = forward.problem

@@ -21,7 +21,15 @@ depends_on = None
 
 # The shape key as revision 0005 left it (precision added) and with the direction.
 _SHAPE_BEFORE = [
-    "head_dim", "dtype", "precision", "causal", "seq_len", "batch", "heads", "kv_heads", "kv_len"
+    "head_dim",
+    "dtype",
+    "precision",
+    "causal",
+    "seq_len",
+    "batch",
+    "heads",
+    "kv_heads",
+    "kv_len",
 ]
 _SHAPE_AFTER = [
     "head_dim", "dtype", "precision", "direction", "causal", "seq_len", "batch", "heads",
