@@ -45,7 +45,13 @@ from tuner.broken_pipe import quiet_exit_status
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem, shape_error
+from tuner.problem import (
+    DIRECTIONS,
+    FLOAT32_PRECISIONS,
+    SUPPORTED_DTYPES,
+    Problem,
+    shape_error,
+)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -98,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shape.add_argument("--alibi", action="store_true", help="ALiBi biases")
     shape.add_argument("--sinks", action="store_true", help="attention sinks")
+    shape.add_argument(
+        "--direction",
+        choices=DIRECTIONS,
+        default="forward",
+        help="forward (the attention) or backward (its gradients)",
+    )
     shape.add_argument(
         "--gpu-name",
         help="restrict to environments with this GPU (and the fields below, where given)",
@@ -257,6 +269,7 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         softcap=args.softcap,
         alibi=args.alibi,
         sinks=args.sinks,
+        direction=args.direction,
     )
 
 

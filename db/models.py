@@ -120,6 +120,7 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str | float]:
         "softcap": problem.softcap,
         "alibi": problem.alibi,
         "sinks": problem.sinks,
+        "direction": problem.direction,
     }
 
 
@@ -186,13 +187,14 @@ class ProblemRow(Base):
     """One attention shape; one row per distinct shape."""
 
     __tablename__ = "problems"
-    # Column order puts (head_dim, dtype, precision, causal) first so that the same
+    # Column order puts (head_dim, dtype, precision, direction, causal) first so that the same
     # unique index serves both the exact lookup and the nearest-shape candidates.
     __table_args__ = (
         UniqueConstraint(
             "head_dim",
             "dtype",
             "precision",
+            "direction",
             "causal",
             "seq_len",
             "batch",
@@ -229,6 +231,8 @@ class ProblemRow(Base):
     softcap: Mapped[float] = mapped_column(Double, server_default="0")
     alibi: Mapped[bool] = mapped_column(Boolean, server_default=false())
     sinks: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    # Added by revision 0008: "forward" or "backward" (rows from before it read "forward").
+    direction: Mapped[str] = mapped_column(String(16), server_default="forward")
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -254,6 +258,7 @@ class ProblemRow(Base):
             softcap=self.softcap,
             alibi=self.alibi,
             sinks=self.sinks,
+            direction=self.direction,
         )
 
 

@@ -88,6 +88,7 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
         candidate.head_dim == asked.head_dim
         and candidate.dtype == asked.dtype
         and candidate.precision == asked.precision
+        and candidate.direction == asked.direction
         and candidate.causal == asked.causal
         and candidate.group == asked.group
         and candidate.window_left == asked.window_left

@@ -56,6 +56,7 @@ SHAPE_FAMILY_TERMS = (
     "q.head_dim = :head_dim",
     "q.dtype = :dtype",
     "q.precision = :precision",
+    "q.direction = :direction",
     "q.causal = :causal",
     "q.heads = q.kv_heads * :group",
     "q.window_left = :window_left",
@@ -158,6 +159,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
         "head_dim": problem.head_dim,
         "dtype": problem.dtype,
         "precision": problem.precision,
+        "direction": problem.direction,
         "causal": problem.causal,
         "group": problem.group,
         "window_left": problem.window_left,
@@ -197,7 +199,7 @@ def best_pointers(
     connection: Connection, problem: Problem, environment: EnvironmentMatch | None, *, exact: bool
 ) -> list[FoundPlan]:
     """The best-pointer plans of ``problem`` (exact) or of its shape family (same
-    head_dim, dtype, precision, causal, group and variants), in the environment(s)
+    head_dim, dtype, precision, direction, causal, group and variants), in the environment(s)
     ``environment`` matches or in any."""
     where = EXACT_SHAPE_TERMS if exact else SHAPE_FAMILY_TERMS
     params = _problem_params(problem, exact=exact)
@@ -277,7 +279,7 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 
 def every_best(connection: Connection) -> list[FoundPlan]:
     order = (
-        "q.head_dim, q.dtype, q.precision, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads,"
-        " q.kv_len, q.window_left, q.window_right, q.softcap, q.alibi, q.sinks, e.id"
+        "q.head_dim, q.dtype, q.precision, q.direction, q.causal, q.seq_len, q.batch, q.heads,"
+        " q.kv_heads, q.kv_len, q.window_left, q.window_right, q.softcap, q.alibi, q.sinks, e.id"
     )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

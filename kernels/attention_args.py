@@ -53,6 +53,11 @@ if TYPE_CHECKING:
     from kernels.variant_args import VariantArgs
 
 LAYOUT = "[batch, heads, seq_len, head_dim]"
+#: device types a tensor without storage may be on while torch traces (``check_traced``): CUDA;
+#: the CPU tests add "meta", on which a CPU-only torch can run autograd
+TRACED_DEVICE_TYPES = frozenset({"cuda"})
+#: the dtypes whose calls are differentiable: those a backward family takes
+DIFFERENTIABLE_DTYPES = ("bfloat16", "float16")
 KV_LAYOUT = "[batch, kv_heads, kv_len, head_dim]"
 #: the interface typestrs taken, as numpy dtypes, and the problem dtype each one is
 INTERFACE_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
@@ -137,11 +142,12 @@ def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: in
     )
 
 
-def describe(name: str, value: Any) -> DeviceArray:
-    """Check one argument on its own (kind, dtype, rank, contiguity); no CUDA call."""
+def describe(name: str, value: Any, *, allow_grad: bool = False) -> DeviceArray:
+    """Check one argument on its own (kind, dtype, rank, contiguity); no CUDA call.
+    ``allow_grad``: a tensor that requires grad is fine (the differentiable path's ops)."""
     torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
     if torch is not None and isinstance(value, torch.Tensor):
-        return _describe_tensor(name, value, torch)
+        return _describe_tensor(name, value, torch, allow_grad=allow_grad)
     try:
         interface = value.__cuda_array_interface__
     except AttributeError:
@@ -159,9 +165,11 @@ def describe(name: str, value: Any) -> DeviceArray:
     return _describe_interface(name, value, interface)
 
 
-def _describe_tensor(name: str, value: Any, torch: Any, pointer: bool = True) -> DeviceArray:
+def _describe_tensor(
+    name: str, value: Any, torch: Any, pointer: bool = True, allow_grad: bool = False
+) -> DeviceArray:
     device = value.device
-    if device.type != "cuda":
+    if device.type != "cuda" and (pointer or device.type not in TRACED_DEVICE_TYPES):
         raise AttentionInputTypeError(
             f"{name} is a torch tensor on {device}; expected a CUDA tensor ({name}.cuda())"
         )
@@ -176,10 +184,14 @@ def _describe_tensor(name: str, value: Any, torch: Any, pointer: bool = True) ->
             f"{name} is not C-contiguous (shape {shape}, strides {tuple(value.stride())} "
             f"elements); pass {name}.contiguous()"
         )
-    if pointer and value.requires_grad and torch.is_grad_enabled():
+    if pointer and not allow_grad and value.requires_grad and torch.is_grad_enabled():
+        # The differentiable calls never get here (kernels.deploy routes them to the autograd
+        # op first): what is left has no backward pass.
         raise AttentionInputError(
-            f"{name} requires grad, but kernels.attention has no backward pass; call it under "
-            f"torch.no_grad() or pass {name}.detach()"
+            f"{name} requires grad, but kernels.attention differentiates only torch "
+            f"{' and '.join(DIFFERENTIABLE_DTYPES)} calls without out= (the dtypes a backward "
+            f"family takes; this one is {dtype}); call it under torch.no_grad() or pass "
+            f"{name}.detach()"
         )
     address = value.data_ptr() if pointer else 0
     return DeviceArray(name, value, True, shape, address, device.index or 0, dtype)
@@ -251,10 +263,12 @@ def _interface_dtype(name: str, typestr: Any) -> str:
     )
 
 
-def check_inputs(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
-    """Check every argument and their agreement; no CUDA call (the pointer checks come later)."""
-    first, *given = describe("q", q), describe("k", k), describe("v", v)
-    result = describe("out", out) if out is not None else None
+def check_inputs(q: Any, k: Any, v: Any, out: Any = None, *, allow_grad: bool = False) -> Inputs:
+    """Check every argument and their agreement; no CUDA call (the pointer checks come later).
+    ``allow_grad``: tensors that require grad pass (the differentiable path's ops)."""
+    named = (("q", q), ("k", k), ("v", v))
+    first, *given = (describe(name, value, allow_grad=allow_grad) for name, value in named)
+    result = describe("out", out, allow_grad=allow_grad) if out is not None else None
     _check_agreement(first, *(given if result is None else (*given, result)))
     if result is not None:
         if result.readonly:
@@ -489,6 +503,44 @@ def torch_pointers(
     return q_at, k_at, v_at, slopes_at, sinks_at
 
 
+def wants_grad(q: Any, k: Any, v: Any, torch: Any) -> bool:
+    """Whether a call on torch tensors asks autograd for gradients."""
+    return bool(
+        (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    )
+
+
+def differentiable(q: Any, out: Any, precision: Any, torch: Any) -> bool:
+    """Whether a call that wants gradients can have them: torch tensors of a differentiable
+    dtype, no ``out=`` (autograd needs an output of its own), no precision (float32's)."""
+    dtypes = tuple(getattr(torch, name) for name in DIFFERENTIABLE_DTYPES)
+    return out is None and precision is None and q.dtype in dtypes
+
+
+def check_differentiable_dtype(dtype: str) -> None:
+    """A differentiable op's inputs: of a dtype some backward family takes."""
+    if dtype not in DIFFERENTIABLE_DTYPES:
+        raise AttentionInputTypeError(
+            f"q has dtype {dtype}; gradients are computed for "
+            f"{', '.join(DIFFERENTIABLE_DTYPES)} (the dtypes a backward family takes)"
+        )
+
+
+def check_lse(lse: Any, q: DeviceArray) -> None:
+    """The forward's log-sum-exps a backward call takes: a contiguous float32 CUDA tensor of
+    ``[batch, heads, seq_len]`` on q's device."""
+    torch = sys.modules["torch"]
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
+        raise AttentionInputTypeError(f"lse must be a float32 torch tensor, got {lse!r:.60}")
+    if tuple(lse.shape) != q.shape[:3] or not lse.is_contiguous():
+        raise AttentionInputError(
+            f"lse has shape {tuple(lse.shape)}; expected a contiguous {q.shape[:3]} "
+            "([batch, heads, seq_len] of q)"
+        )
+    if (lse.device.index or 0) != q.device or lse.device.type != "cuda":
+        raise AttentionInputError(f"lse is on {lse.device} but q is on cuda:{q.device}")
+
+
 def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
     """``check_inputs`` for tensors without storage (torch's fake tensors, while
     ``torch.compile`` traces): every check but those of addresses and gradients."""
@@ -503,6 +555,8 @@ def check_traced(q: Any, k: Any, v: Any, out: Any = None) -> Inputs:
         described.append(_describe_tensor(name, value, torch, pointer=False))
     _check_agreement(*described)
     return Inputs(*described[:3], described[3] if out is not None else None)
+
+
 def check_precision(precision: Any, dtype: str) -> str:
     """The problem precision of a call: "tf32x3" (the float32 default: float32-class
     error) or "tf32" (one-pass TF32 plans may serve it) for float32; "" for half dtypes,

@@ -140,6 +140,16 @@ def visible_keys(
     return seen
 
 
+def problem_visible_keys(problem: Problem, rows: np.ndarray) -> np.ndarray | None:
+    """``visible_keys`` of ``problem``'s rows ``rows`` (None: every key, no mask at all)."""
+    if not (problem.causal or problem.windowed):
+        return None
+    return visible_keys(
+        rows, problem.kv_len, problem.causal_offset, problem.causal, problem.window_left,
+        problem.window_right,
+    )
+
+
 def transform_logits(
     scores: np.ndarray,
     rows: np.ndarray,

@@ -20,6 +20,12 @@ synchronisation, so it is captured by ``torch.cuda.graph``
 call becomes the custom op ``flash_attention_tuner::attention`` (``kernels.torch_op``), so a
 compiled model has no graph break.
 
+Training: a call on bfloat16/float16 torch tensors of which one requires grad (grad mode on)
+goes through ``flash_attention_tuner::attention_with_lse``, whose autograd formula keeps q, k,
+v, the output and the rows' log-sum-exps and runs ``flash_attention_tuner::attention_backward``
+for dq, dk, dv: the backward plan tuned for the problem (``direction=backward``), else the
+planner's default, deterministic when ``torch.use_deterministic_algorithms(True)`` is on.
+
 The pieces:
 
 * ``kernels.attention_args``: the argument checks, done before any CUDA call, and the device of
@@ -40,6 +46,7 @@ The pieces:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -51,12 +58,17 @@ from kernels.attention_args import (
     AttentionInputError,
     AttentionInputTypeError,
     check_causal,
+    check_differentiable_dtype,
     check_inputs,
+    check_lse,
     check_precision,
+    describe,
+    differentiable,
     interface_device,
     problem_of,
     torch_pointers,
     torch_signature,
+    wants_grad,
 )
 from kernels.attention_variants import LOG2E
 from kernels.plan_choice import ChosenPlan
@@ -186,9 +198,74 @@ class Attention:
                         q, q_at, k_at, v_at, out, torch, slopes_at, sinks_at,
                         None if scale is None else scale * LOG2E,
                     )
+        if (
+            torch is not None
+            and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and wants_grad(q, k, v, torch)
+            and differentiable(q, out, precision, torch)
+        ):
+            if _variant_given(window, softcap, alibi_slopes, sinks, scale):
+                raise AttentionInputError(
+                    "gradients through a window, softcap, ALiBi, sinks or a custom scale are "
+                    "not implemented yet (the backward kernels take them; the autograd op "
+                    "does not): call it under torch.no_grad() or without them"
+                )
+            return self._differentiable_call(q, k, v, causal)
         return self._checked_call(
             q, k, v, causal, out, precision, window, softcap, alibi_slopes, sinks, scale
         )
+
+    def _differentiable_call(self, q: Any, k: Any, v: Any, causal: Any) -> Any:
+        """A call autograd differentiates: the op with an autograd formula
+        (``torch_op.attention_with_lse``, which keeps the LSE for the backward), its output."""
+        from kernels import torch_op
+
+        named = self.registry_url, self._registry, self.nearest
+        return torch_op.differentiable_call(*named, q, k, v, causal)
+
+    def attention_with_lse(self, q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, Any]:
+        """The forward of a training step on torch tensors: the output and each row's
+        natural-log log-sum-exp (float32 ``[batch, heads, seq_len]``, +inf for a row that sees
+        no key), which the backward reads. What the autograd op runs."""
+        torch = sys.modules["torch"]
+        inputs = check_inputs(q, k, v, allow_grad=True)
+        check_differentiable_dtype(inputs.q.dtype)
+        problem = problem_of(inputs, check_causal(causal))
+        handle = self._runner(inputs.q.device or 0).handle(problem)
+        lse = torch.empty(inputs.q.shape[:3], dtype=torch.float32, device=q.device)
+        pointers = (inputs.q.pointer, inputs.k.pointer, inputs.v.pointer)
+        return handle.run_torch(q, *pointers, None, torch, lse=lse), lse
+
+    def attention_backward(
+        self,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        causal: bool,
+        deterministic: bool = False,
+    ) -> tuple[Any, Any, Any]:
+        """dq, dk, dv of the attention of q, k, v (torch tensors) whose output ``out`` and
+        log-sum-exps ``lse`` the forward gave, for the output's gradient ``dout``; the backward
+        plan stored for the problem (direction backward), else the planner's default.
+        ``deterministic``: dQ summed in a fixed order (bit-identical reruns)."""
+        torch = sys.modules["torch"]
+        inputs = check_inputs(q, k, v, out, allow_grad=True)
+        gradient = describe("dout", dout, allow_grad=True)
+        if gradient.shape != inputs.q.shape or gradient.dtype != inputs.q.dtype:
+            raise AttentionInputError(
+                f"dout has shape {gradient.shape} and dtype {gradient.dtype}; expected q's "
+                f"{inputs.q.shape} {inputs.q.dtype}"
+            )
+        check_lse(lse, inputs.q)
+        forward = problem_of(inputs, check_causal(causal))
+        problem = dataclasses.replace(forward, direction="backward")
+        handle = self._runner(inputs.q.device or 0).backward_handle(problem, deterministic)
+        return handle.run_torch(dout, q, k, v, out, lse, torch)
 
     def _checked_call(
         self,
@@ -288,6 +365,19 @@ class Attention:
             if self.registry_url is not None and self._registry is not None:
                 self._registry.close()
                 self._registry = None
+
+
+def _variant_given(
+    window: Any, softcap: Any, alibi_slopes: Any, sinks: Any, scale: Any
+) -> bool:
+    """Whether a call asks for any variant or a scale of its own."""
+    return (
+        not (isinstance(window, tuple | list) and tuple(window) == NO_WINDOW)
+        or softcap != 0
+        or alibi_slopes is not None
+        or sinks is not None
+        or scale is not None
+    )
 
 
 _instances: dict[tuple[Any, bool], Attention] = {}

@@ -1,7 +1,8 @@
 """Which kernel plan a shape runs with at deploy time, chosen once per shape and GPU.
 
-``PlanChooser.plan_for(problem)`` asks the registry once per (shape, causal, dtype) with the
-live GPU's ``Environment`` and the current kernel source hashes. A stale (source changed) or
+``PlanChooser.plan_for(problem)`` asks the registry once per problem (shape, causal, dtype,
+direction: a backward problem gets a backward plan) with the live GPU's ``Environment`` and
+the current kernel source hashes. A stale (source changed) or
 predicted-only plan is used with a warning, a plan tuned on the same GPU model under another
 toolchain too; a plan from another GPU is not used, nor one tuned without a GPU (filed
 under the GPU name "model": cost-model predictions), nor one stored for another dtype or of a
@@ -64,7 +65,10 @@ def current_source_hashes() -> dict[str, str]:
 def _kind(problem: Problem) -> tuple[object, ...]:
     """What a stored plan must share with the problem it serves, whatever the shape."""
     p = problem
-    return (p.dtype, p.precision, p.window_left, p.window_right, p.softcap, p.alibi, p.sinks)
+    return (
+        p.dtype, p.precision, p.direction, p.window_left, p.window_right, p.softcap, p.alibi,
+        p.sinks,
+    )
 
 
 def _same_gpu(one: Environment, other: Environment) -> bool:
@@ -191,25 +195,33 @@ class PlanChooser:
         )
 
     def _of_dtype(self, problem: Problem, stored: StoredPlan) -> tuple[StoredPlan | None, str]:
-        """``stored`` if it was stored for ``problem``'s dtype, precision and variants; a plan
-        is never served across them (the registry asks by all of them already: this guards
-        against a handle that does not; re-planning then refuses one-pass TF32 for a tf32x3
-        problem too)."""
+        """``stored`` if it was stored for ``problem``'s dtype, precision, direction and
+        variants; a plan is never served across them (the registry asks by all of them
+        already: this guards against a handle that does not; re-planning then refuses
+        one-pass TF32 for a tf32x3 problem too)."""
         if _kind(stored.problem) == _kind(problem):
             return stored, ""
+        stored_for = stored.problem.dtype_label
         variants = stored.problem.variant_text()
+        if variants:
+            stored_for += f" {variants}"
+        if stored.problem.direction != problem.direction:
+            stored_for += f" {stored.problem.direction}"
         return None, (
             f"registry {self._label} answered {problem.label()} with a plan stored for "
-            f"{stored.problem.dtype_label}{' ' + variants if variants else ''}; not used"
+            f"{stored_for}; not used"
         )
 
     def _replan(self, problem: Problem, stored: StoredPlan) -> KernelPlan | str:
         record = stored.record
         if record.family not in family_names():
             return f"{record.family} {record.params} is not a kernel this version knows"
-        if record.family not in families_for(problem.dtype):
-            takes = ", ".join(family_named(record.family).dtypes)
+        family = family_named(record.family)
+        if problem.dtype not in family.dtypes:
+            takes = ", ".join(family.dtypes)
             return f"{record.family} kernels take {takes}, not {problem.dtype}"
+        if reason := family.direction_verdict(problem):
+            return reason
         missing = [
             tunable.name
             for tunable in family_named(record.family).tunables
@@ -249,8 +261,11 @@ class PlanChooser:
 
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)
-        if not families_for(problem.dtype):
-            raise BackendError(f"no registered kernel family takes {problem.dtype} ({label})")
+        if not families_for(problem.dtype, problem.direction):
+            backward = " in the backward direction" if problem.backward else ""
+            raise BackendError(
+                f"no registered kernel family takes {problem.dtype}{backward} ({label})"
+            )
         if not space.feasible:
             first = space.rejected[0].reason if space.rejected else "none planned"
             raise BackendError(

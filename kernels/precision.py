@@ -340,3 +340,116 @@ def tolerance_for(
     if sdpa_max_error is None:
         return FALLBACK_TOLERANCE[problem.dtype]
     return 2 * sdpa_max_error + FLOOR[problem.dtype]
+
+
+# ---------------------------------------------------------------------------- gradients
+#
+# The backward pass is judged the way FlashAttention's tests judge theirs: per gradient
+# (dQ, dK, dV, and the sinks' gradient where there are sinks),
+#     max|grad - ref| <= 2 * max|torch grad - ref| + floor,
+# ``ref`` the float64 gradients of the same rounded inputs (``kernels.reference.
+# attention_backward_reference``) and ``torch grad`` those of an eager torch attention run
+# in the problem's dtype with autograd (FlashAttention's ``attention_ref`` without upcast:
+# scores, softmax and products in the dtype; ``torch_gradient_errors``). As the forward's, the
+# floor is half an ulp of the dtype, here at the gradient's own scale: gradients are not O(1)
+# (a causal dV row sums P over up to seq_len queries), so the floor is FLOOR[dtype] times
+# max(1, max|ref|), the last rounding a kernel cannot beat. Without torch the limit is
+# FALLBACK_GRADIENT_RELATIVE[dtype] times the same scale.
+
+#: the gradients a backward pass produces, in the order they are reported
+GRADIENTS = ("dq", "dk", "dv", "d_sinks")
+#: without torch: about 4x the errors the half kernels show on unit normals (bf16 dQ/dK/dV
+#: within 2-3 ulps of max|ref|, the CPU emulation of mma_f16_bwd)
+FALLBACK_GRADIENT_RELATIVE = {"bfloat16": 2.0**-5, "float16": 2.0**-8}
+
+
+def gradient_scale(reference: np.ndarray) -> float:
+    """max(1, max|ref|): the magnitude a gradient's floor is relative to."""
+    return max(1.0, float(np.abs(reference).max())) if reference.size else 1.0
+
+
+def gradient_tolerances(
+    problem: Problem,
+    references: dict[str, np.ndarray],
+    peer_errors: dict[str, float] | None,
+) -> dict[str, float]:
+    """The limit on max|grad - ref| for each gradient in ``references`` (see above)."""
+    limits = {}
+    for name, reference in references.items():
+        scale = gradient_scale(reference)
+        if peer_errors is None:
+            limits[name] = FALLBACK_GRADIENT_RELATIVE[problem.dtype] * scale
+        else:
+            limits[name] = 2 * peer_errors[name] + FLOOR[problem.dtype] * scale
+    return limits
+
+
+def torch_gradient_errors(
+    problem: Problem,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    references: dict[str, np.ndarray],
+    kv_heads: np.ndarray,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
+) -> dict[str, float] | None:
+    """max|torch grad - ref| per gradient of ``references`` (their float64 values on the query
+    heads of the batch-KV-heads ``kv_heads``), torch's autograd of an eager attention in the
+    problem's dtype on the CPU; None without torch."""
+    if not torch_available():
+        return None
+    import torch
+
+    from kernels.attention_variants import problem_visible_keys
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[problem.dtype]
+    p, group = problem, problem.group
+    rows = np.arange(p.seq_len)
+    visible = problem_visible_keys(p, rows)
+    keep = None if visible is None else torch.from_numpy(visible)
+    grads: dict[str, list[np.ndarray]] = {name: [] for name in ("dq", "dk", "dv", "d_sinks")}
+    for kv in np.asarray(kv_heads).reshape(-1):
+        heads = kv * group + np.arange(group)
+
+        def leaf(values: np.ndarray) -> Any:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+
+        qt = leaf(q[heads]).requires_grad_()
+        kt = leaf(k[kv][None]).requires_grad_()
+        vt = leaf(v[kv][None]).requires_grad_()
+        scores = (qt * (1 / math.sqrt(p.head_dim))) @ kt.transpose(-1, -2)
+        if p.softcap > 0:
+            scores = p.softcap * torch.tanh(scores / p.softcap)
+        if p.alibi:
+            distance = np.abs(rows[:, None] + p.causal_offset - np.arange(p.kv_len)[None, :])
+            slopes = alibi_slopes[heads % p.heads][:, None, None]  # type: ignore[index]
+            scores = scores - torch.from_numpy((slopes * distance).astype(np.float32)).to(dtype)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, -1e4)  # finite: rows that see nothing stay finite
+        sink = None
+        if p.sinks:
+            sink = leaf(sinks[heads % p.heads]).requires_grad_()  # type: ignore[index]
+            column = sink[:, None, None].expand(group, p.seq_len, 1)
+            scores = torch.cat([scores, column], dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        if sink is not None:
+            weights = weights[..., :-1]
+        if keep is not None:
+            weights = weights * keep.to(dtype)
+        out = weights @ vt
+        out.backward(leaf(dout[heads]))
+        grads["dq"].append(qt.grad.double().numpy())
+        grads["dk"].append(kt.grad.double().numpy()[0])
+        grads["dv"].append(vt.grad.double().numpy()[0])
+        if sink is not None:
+            grads["d_sinks"].append(sink.grad.double().numpy())
+    errors = {}
+    for name, reference in references.items():
+        if name == "d_sinks":  # every KV head was given: the per-head sums over the batch
+            got = np.concatenate(grads[name]).reshape(p.batch, p.heads).sum(axis=0)
+        else:
+            got = np.stack(grads[name]).reshape(reference.shape)
+        errors[name] = float(np.abs(got - reference).max()) if reference.size else 0.0
+    return errors

@@ -7,6 +7,8 @@ kernel's algorithm with exactly a plan's partition (key tiles, splits,
 log2-domain online softmax, the -inf handling, the split merge), so the
 algorithm is tested on the CPU before any GPU runs it; ``emulate_scalar``
 does the same for the scalar kernel (the online update with one-key tiles).
+``attention_backward_reference`` is the float64 forward and backward (dQ, dK, dV, the sinks'
+gradient) of a problem with its mask, softcap, ALiBi and sinks, on chosen KV heads.
 
 Arrays are ``[batch*heads, seq_len, head_dim]`` (any leading dimensions are
 accepted and kept). The references also take grouped-query and KV-cache
@@ -22,17 +24,26 @@ what a backward pass needs from the forward.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from kernels.attention_variants import LOG2E, VariantValues, transform_logits, visible_keys
+from kernels.attention_variants import (
+    LOG2E,
+    VariantValues,
+    problem_visible_keys,
+    transform_logits,
+    visible_keys,
+)
 from tuner.planner.launches import scale_log2
 from tuner.problem import UNBOUNDED
 
 if TYPE_CHECKING:
     from tuner.planner.plan import KernelPlan
+    from tuner.problem import Problem
 
 FloatArray = npt.NDArray[np.floating]
 #: scores of one chunk of rows are kept below this many float64s (about 32 MiB)
@@ -363,3 +374,105 @@ def emulate_scalar(
     """``kernels/scalar_online.cu``: the same online update, one key at a time, no splits."""
     n = np.asarray(q).shape[-2]
     return emulate_online(q, k, v, causal, tile_size=1, keys_per_split=n, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """float64 attention of chosen heads and its gradients for a given dO.
+
+    ``out``, ``lse`` (natural log, +inf for a row that sees nothing) and ``dq`` of the query
+    heads ``heads``; ``dk`` and ``dv`` of the KV heads ``kv_heads`` (each summed over its
+    group's query heads, all of which ``heads`` holds); ``d_sinks`` per query head of
+    ``heads`` (this selection's share of the sum over the batch), or None without sinks.
+    """
+
+    heads: np.ndarray
+    kv_heads: np.ndarray
+    out: np.ndarray
+    lse: np.ndarray
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    d_sinks: np.ndarray | None = None
+
+
+def attention_backward_reference(
+    problem: Problem,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    dout: npt.ArrayLike,
+    kv_heads: npt.ArrayLike | None = None,
+    *,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
+) -> Gradients:
+    """Exact float64 forward and backward of ``problem`` (its mask, softcap, ALiBi and sinks)
+    for the query heads of the batch-KV-heads ``kv_heads`` (default: all).
+
+    q, dout ``[batch * heads, seq_len, head_dim]``, k, v ``[batch * kv_heads, kv_len,
+    head_dim]`` (any float type; taken as float64). ``alibi_slopes`` and ``sinks``: one per
+    query head (``problem.heads``), needed when the problem has those variants. The math:
+    logits ``L = scale * q.k`` (softcap: ``c * tanh(L / c)``; ALiBi: ``- slope |r + off - k|``),
+    ``P = exp(L - lse)`` with the sink in the denominator, ``dP = dO V^T``, ``D = rowsum(dO *
+    O)``, ``dL = P (dP - D)``, ``dS = dL * dL/ds`` (the softcap's ``1 - tanh^2``),
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P^T dO``, ``d sink = -sum P_sink D``.
+    """
+    p = problem
+    q3, k3, v3, do3 = (_heads_view(a) for a in (q, k, v, dout))
+    _check_kv_shapes(q3, k3, v3, p.group)
+    if do3.shape != q3.shape:
+        raise ValueError(f"dout {do3.shape} must have q's shape {q3.shape}")
+    if p.alibi and alibi_slopes is None:
+        raise ValueError("an ALiBi problem needs its slopes")
+    if p.sinks and sinks is None:
+        raise ValueError("a problem with sinks needs their values")
+    kv_idx = np.arange(k3.shape[0]) if kv_heads is None else np.asarray(kv_heads).reshape(-1)
+    heads = np.array([kv * p.group + g for kv in kv_idx for g in range(p.group)], dtype=np.int64)
+    n, m, d = p.seq_len, p.kv_len, p.head_dim
+    scale = 1.0 / math.sqrt(d)
+    rows = np.arange(n)
+    visible = problem_visible_keys(p, rows)
+    distance = np.abs(rows[:, None] + p.causal_offset - np.arange(m)[None, :]) if p.alibi else None
+    out = np.empty((heads.size, n, d))
+    lse = np.empty((heads.size, n))
+    dq = np.empty((heads.size, n, d))
+    dk = np.zeros((kv_idx.size, m, d))
+    dv = np.zeros((kv_idx.size, m, d))
+    d_sinks = np.zeros(heads.size) if p.sinks else None
+    for slot, bh in enumerate(heads):
+        kv_slot, head = slot // p.group, bh % p.heads
+        qh, doh = q3[bh].astype(np.float64), do3[bh].astype(np.float64)
+        kh, vh = k3[kv_idx[kv_slot]].astype(np.float64), v3[kv_idx[kv_slot]].astype(np.float64)
+        logits = qh @ kh.T * scale
+        tanh = None
+        if p.softcap > 0:
+            tanh = np.tanh(logits / p.softcap)
+            logits = p.softcap * tanh
+        if distance is not None:
+            logits = logits - float(alibi_slopes[head]) * distance  # type: ignore[index]
+        if visible is not None:
+            logits = np.where(visible, logits, -np.inf)
+        sink = float(sinks[head]) if sinks is not None else -np.inf
+        top = np.maximum(logits.max(axis=-1), sink)
+        shift = np.where(np.isfinite(top), top, 0.0)
+        weights = np.exp(logits - shift[:, None])
+        total = weights.sum(axis=-1) + np.exp(sink - shift)
+        with np.errstate(divide="ignore"):
+            lse[slot] = np.where(total > 0, shift + np.log(total), np.inf)
+        probs = np.where(total[:, None] > 0, weights / np.where(total > 0, total, 1)[:, None], 0)
+        out[slot] = probs @ vh
+        dp = doh @ vh.T
+        delta = (doh * out[slot]).sum(axis=-1)
+        ds = probs * (dp - delta[:, None])
+        if tanh is not None:
+            ds = ds * (1 - tanh**2)
+        dq[slot] = scale * ds @ kh
+        dk[kv_slot] += scale * ds.T @ qh
+        dv[kv_slot] += probs.T @ doh
+        if d_sinks is not None:
+            d_sinks[slot] = -(np.exp(sink - lse[slot]) * delta).sum()
+    return Gradients(heads, kv_idx, out, lse, dq, dk, dv, d_sinks)

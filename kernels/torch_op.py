@@ -23,6 +23,18 @@ so shapes and dtypes propagate through a traced graph.
 ``torch.compile(fullgraph=True)`` of a model that calls ``kernels.attention`` puts one op node in
 the graph where the call was. Importing this module imports torch; ``import kernels`` does not
 import it.
+
+Training (bfloat16/float16 inputs of which one requires grad, grad mode on) takes two more ops:
+
+* ``attention_with_lse(q, k, v, causal, registry, nearest) -> (out, lse)``: the forward, with
+  each row's log-sum-exp (float32 ``[batch, heads, seq_len]``); its autograd formula
+  (``register_autograd``) saves q, k, v, out and lse and calls
+* ``attention_backward(dout, q, k, v, out, lse, causal, registry, nearest, deterministic) ->
+  (dq, dk, dv)``, deterministic when ``torch.are_deterministic_algorithms_enabled()``.
+
+Both have fake implementations, so AOTAutograd traces a training step's joint graph with them
+(``torch.compile(fullgraph=True)`` of forward + ``backward()``); like the others they allocate
+only their outputs and scratch from torch's allocator and never wait, so CUDA graphs take them.
 """
 
 from __future__ import annotations
@@ -31,7 +43,13 @@ from typing import Any
 
 import torch
 
-from kernels.attention_args import AttentionInputTypeError, check_traced
+from kernels.attention_args import (
+    AttentionInputTypeError,
+    check_differentiable_dtype,
+    check_traced,
+    differentiable,
+    wants_grad,
+)
 from kernels.variant_args import (
     NO_WINDOW,
     check_scale,
@@ -155,6 +173,128 @@ def _attention_into_fake(
     check_variants(inputs, window, softcap, alibi_slopes, sinks, scale, pointers=False)
 
 
+# ---------------------------------------------------------------------------- training
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_with_lse", mutates_args=(), device_types="cuda"
+)
+def attention_with_lse_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels.deploy import default_instance
+
+    return default_instance(registry, nearest=nearest).attention_with_lse(q, k, v, causal)
+
+
+@attention_with_lse_op.register_fake
+def _attention_with_lse_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_traced(q, k, v)
+    check_differentiable_dtype(str(q.dtype).removeprefix("torch."))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_backward", mutates_args=(), device_types="cuda"
+)
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from kernels.deploy import default_instance
+
+    attend = default_instance(registry, nearest=nearest)
+    return attend.attention_backward(dout, q, k, v, out, lse, causal, deterministic)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    registry: str | None,
+    nearest: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_traced(q, k, v, out)
+    check_traced(dout, k, v)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    q, k, v, causal, registry, nearest = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)  # the LSE is for the backward, not a result to train on
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.registry, ctx.nearest = causal, registry, nearest
+
+
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[Any, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ctx.causal,
+        ctx.registry,
+        ctx.nearest,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    return dq, dk, dv, None, None, None
+
+
+attention_with_lse_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def differentiable_call(
+    registry_url: str | None,
+    registry: Any,
+    nearest: bool,
+    q: Any,
+    k: Any,
+    v: Any,
+    causal: Any,
+) -> torch.Tensor:
+    """A call that autograd differentiates (eager or traced): ``attention_with_lse``'s output;
+    the LSE stays with autograd for the backward."""
+    if registry_url is None and registry is not None:
+        raise AttentionInputTypeError(
+            "a differentiable call needs the registry as a URL or None, not an open registry "
+            f"handle ({type(registry).__name__}): pass its URL"
+        )
+    if not isinstance(causal, bool):
+        raise AttentionInputTypeError(f"causal must be a bool, got {causal!r}")
+    out, _ = attention_with_lse_op(q, k, v, causal, registry_url, nearest)
+    return out
+
+
 def traced_call(
     registry_url: str | None,
     registry: Any,
@@ -187,6 +327,14 @@ def traced_call(
     capped = check_softcap(softcap)
     custom = None if check_scale(scale) is None else float(scale)
     variants = (window_left, window_right, capped, alibi_slopes, sinks, custom)
+    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
+    if tensors and wants_grad(q, k, v, torch) and differentiable(q, out, precision, torch):
+        if variants != (*NO_WINDOW, 0.0, None, None, None):
+            raise AttentionInputTypeError(
+                "gradients through a window, softcap, ALiBi, sinks or a custom scale are not "
+                "implemented yet (the backward kernels take them; the autograd op does not)"
+            )
+        return differentiable_call(registry_url, registry, nearest, q, k, v, causal)
     if out is None:
         return attention_op(q, k, v, causal, registry_url, nearest, precision, *variants)
     attention_into_op(q, k, v, out, causal, registry_url, nearest, precision, *variants)

@@ -22,6 +22,7 @@ from tuner.planner.launches import TensorMap
 C_TYPES = {
     "float*": np.uintp,
     "elem_t*": np.uintp,
+    "int*": np.uintp,
     "int": np.int32,
     "float": np.float32,
     "CUtensorMap": TensorMap,

@@ -350,7 +350,12 @@ BAD_TENSORS = {
         r"k is on cuda:1 but q is on cuda:0",
     ),
     "strides": (lambda: tensors(FakeTensor(contiguous=False)), r"q is not C-contiguous"),
-    "grad": (lambda: tensors(FakeTensor(requires_grad=True)), r"q requires grad"),
+    "grad": (
+        lambda: tensors(FakeTensor(requires_grad=True)),
+        r"^q requires grad, but kernels.attention differentiates only torch bfloat16 and "
+        r"float16 calls without out= \(the dtypes a backward family takes; this one is float32\)",
+    ),
+
     "rank": (lambda: tensors(FakeTensor((64, 32))), r"q has 2 dimensions"),
     "mixed": (lambda: [FakeTensor(), FakeArray(), FakeArray()], r"k is a device array .* q is"),
 }
@@ -361,6 +366,19 @@ def test_bad_torch_tensors_are_refused(case: str, fake_torch: Any, no_cuda: None
     build_arrays, message = BAD_TENSORS[case]
     with pytest.raises(ka.AttentionInputError, match=message):
         ka.attention(*build_arrays())
+
+
+def test_a_differentiable_dtype_with_out_is_refused(fake_torch: Any, no_cuda: None) -> None:
+    """bfloat16 calls train (``test_torch_training``), but not into a given ``out``."""
+    q, k, v, out = (
+        FakeTensor(dtype="bfloat16", pointer=(1 << 40) + i * (1 << 30), requires_grad=i == 0)
+        for i in range(4)
+    )
+    with pytest.raises(
+        ka.AttentionInputError,
+        match=r"^q requires grad, but kernels.attention differentiates only .* without out=",
+    ):
+        ka.attention(q, k, v, out=out)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -648,7 +666,7 @@ def test_the_fallback_warns_once_per_shape_and_dtype(registry, caplog) -> None:
 
 
 def test_a_dtype_no_family_takes_is_one_error(monkeypatch) -> None:
-    monkeypatch.setattr(plan_choice, "families_for", lambda dtype: ())
+    monkeypatch.setattr(plan_choice, "families_for", lambda dtype, direction="forward": ())
     with pytest.raises(BackendError, match=r"^no registered kernel family takes bfloat16 \(2x4"):
         chooser(None).plan_for(of_dtype(PROBLEM, "bfloat16"))
 

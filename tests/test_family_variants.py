@@ -18,6 +18,7 @@ import pytest
 from variant_family import toy_variants_only
 
 from kernels.backends.attention_handle import BUFFER_MARKERS
+from kernels.backends.backward_handle import BACKWARD_MARKERS
 from kernels.launch import launch_sequence
 from tuner.device import H200
 from tuner.planner.families import registered
@@ -33,20 +34,20 @@ VARIANTS = {
 }
 
 
-def variant_problem(dtype: str, variant: str) -> Problem:
+def variant_problem(dtype: str, variant: str, direction: str = "forward") -> Problem:
     # 16 query rows against 128 keys: a shape every family plans (decode_f16 included)
     return Problem(16, 64, batch=2, heads=4, kv_heads=2, kv_len=128, dtype=dtype,
-                   **VARIANTS[variant])
+                   direction=direction, **VARIANTS[variant])
 
 
-def carries(variant: str, args: tuple) -> bool:
+def carries(variant: str, args: tuple, markers=BUFFER_MARKERS) -> bool:  # noqa: ANN001
     """Whether a launch's arguments carry ``variant`` (pointers as the markers' roles)."""
     values = [a for a in args if isinstance(a, np.int32 | np.float32 | np.uintp)]
     if variant == "window":
         return np.int32(37) in values and np.int32(11) in values
     if variant == "softcap":
         return np.float32(13.5) in values
-    pointer = BUFFER_MARKERS.alibi_slopes if variant == "alibi" else BUFFER_MARKERS.sinks
+    pointer = markers.alibi_slopes if variant == "alibi" else markers.sinks
     return np.uintp(pointer) in values
 
 
@@ -70,7 +71,7 @@ def test_a_family_on_the_variant_abi_passes_the_check(variant: str) -> None:
 
 def check_family(family: str, variant: str) -> None:
     (taker,) = [f for f in registered() if f.name == family]
-    problem = variant_problem(taker.dtypes[0], variant)
+    problem = variant_problem(taker.dtypes[0], variant, taker.direction)
     assert problem.has_variant
     space = candidate_space(problem, H200)
     feasible = [plan for plan in space.feasible if plan.family == family]
@@ -78,8 +79,10 @@ def check_family(family: str, variant: str) -> None:
         reasons = {plan.reason for plan in space.rejected if plan.family == family}
         assert reasons and all(reasons), f"{family} refuses {variant} without a reason"
         return
+    # A backward family's launches take the backward buffers (q, k, v, out, dout, lse, ...).
+    markers = BACKWARD_MARKERS if taker.direction == "backward" else BUFFER_MARKERS
     for plan in feasible[:8]:
-        launches = launch_sequence(plan, BUFFER_MARKERS)
-        assert any(carries(variant, launch.args) for launch in launches), (
+        launches = launch_sequence(plan, markers)
+        assert any(carries(variant, launch.args, markers) for launch in launches), (
             f"{plan.key()} plans {problem.label()} but its launches do not pass the {variant}"
         )

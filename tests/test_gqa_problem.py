@@ -74,6 +74,7 @@ def test_labels_study_names_and_registry_keys_of_old_problems_are_unchanged() ->
         "softcap": 0.0,
         "alibi": False,
         "sinks": False,
+        "direction": "forward",  # revision 0008: every row from before it reads forward
     }
 
 

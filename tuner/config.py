@@ -26,7 +26,7 @@ from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
+from tuner.problem import DIRECTIONS, FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
 
 
 @dataclass
@@ -180,6 +180,8 @@ class TunerConfig:
     alibi: Any = False
     #: one sink logit per query head in the softmax's denominator (tuned with random ones)
     sinks: Any = False
+    #: "forward" (the attention) or "backward" (its gradients dQ, dK, dV: training)
+    direction: Any = "forward"
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -358,6 +360,7 @@ def _window_bound() -> Rule:
 _SHAPE_KEYS = (
     "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision",
     "window_left", "window_right", "softcap", "alibi", "sinks",
+    "direction",
 )
 #: the mandatory shape keys a model run leaves unset
 _MODEL_FREE_KEYS = {"seq_len", "head_dim"}
@@ -393,6 +396,7 @@ RULES: dict[str, Rule] = {
     "softcap": Rule("a number >= 0 (0: no cap)", lambda v: _is_number(v) and v >= 0),
     "alibi": _BOOL,
     "sinks": _BOOL,
+    "direction": _one_of(DIRECTIONS),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -685,6 +689,7 @@ def checked_problem(**shape: Any) -> Problem:
         softcap=float(config.softcap),
         alibi=config.alibi,
         sinks=config.sinks,
+        direction=config.direction,
     )
 
 
@@ -704,6 +709,7 @@ class _ShapeValues:
     softcap: Any
     alibi: Any
     sinks: Any
+    direction: Any
 
 
 def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:
@@ -803,13 +809,15 @@ def _require_feasible_plan(problem: Problem, device: DeviceProfile, axes: SpaceA
         raise ConfigError(f"{shape} is invalid: cannot be planned: {error}") from error
     if space.feasible:
         return
-    if not families_for(problem.dtype):
+    if not families_for(problem.dtype, problem.direction):
         takers = ", ".join(
-            f"{family.name} ({'/'.join(family.dtypes)})" for family in registered()
+            f"{family.name} ({'/'.join(family.dtypes)}, {family.direction})"
+            for family in registered()
         )
         raise ConfigError(
-            f"dtype={problem.dtype} is invalid: no registered kernel family takes it, so "
-            f"pruning left nothing to search (families: {takers})"
+            f"dtype={problem.dtype} is invalid: no registered kernel family takes it in the "
+            f"{problem.direction} direction, so pruning left nothing to search "
+            f"(families: {takers})"
         )
     summary = rejection_summary(space)
     example = f"; most often: {summary[0].example}" if summary else ""

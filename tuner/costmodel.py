@@ -252,7 +252,8 @@ def feature_table(plans: Sequence[KernelPlan], device: DeviceProfile) -> dict[st
 
 
 def _executed_flops(plan: KernelPlan, terms: CostTerms) -> int:
-    return 4 * plan.problem.head_dim * plan.problem.batch_heads * terms.executed_pairs
+    pairs = plan.problem.batch_heads * terms.executed_pairs
+    return 2 * terms.matmuls_per_pair * plan.problem.head_dim * pairs
 
 
 def matmul_rate(pipe: MatmulPipe, device: DeviceProfile) -> float:

@@ -16,6 +16,12 @@ FLOAT32_PRECISIONS = ("tf32x3", "tf32")
 DEFAULT_FLOAT32_PRECISION = "tf32x3"
 #: a window bound that cuts nothing (FlashAttention's convention)
 UNBOUNDED = -1
+#: what a plan computes: the attention (forward) or its gradients dQ, dK, dV (backward)
+DIRECTIONS = ("forward", "backward")
+#: matrix products per (query, key) pair: Q K^T and P V forward; the backward recomputes
+#: S = Q K^T and computes dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K (2.5x the
+#: forward's flops, as FlashAttention counts them)
+MATMULS_PER_PAIR = {"forward": 2, "backward": 5}
 
 
 def visible_keys_total(seq_len: int, kv_len: int, lowest: int | None, highest: int | None) -> int:
@@ -118,6 +124,11 @@ class Problem:
       the slopes are run-time data (tuning uses the standard ``2^(-8(h+1)/heads)``);
     * ``sinks``: one logit per query head that joins the softmax's denominator only
       (gpt-oss); the values are run-time data.
+
+    ``direction`` is ``"forward"`` (the attention) or ``"backward"`` (dQ, dK, dV from dO,
+    the forward's output and its log-sum-exp); forward and backward plans are tuned and
+    stored apart. Only backward problems say so in their label and names, so every forward
+    problem keeps the ones it had.
     """
 
     seq_len: int
@@ -134,6 +145,7 @@ class Problem:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    direction: str = "forward"
 
     def __post_init__(self) -> None:
         reason = shape_error(
@@ -141,6 +153,8 @@ class Problem:
         ) or variant_error(self.window_left, self.window_right, self.softcap)
         if reason:
             raise ValueError(reason)
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction={self.direction!r} is not one of {', '.join(DIRECTIONS)}")
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.kv_len is None:
@@ -235,13 +249,19 @@ class Problem:
         return visible_keys_total(n, m, *self.visible_offsets)
 
     @property
-    def useful_flops(self) -> int:
-        """Matmul flops of the attention itself: 2 products of 2*D flops per pair.
+    def backward(self) -> bool:
+        return self.direction == "backward"
 
-        This is the figure TFLOP/s is quoted against (4*B*H*N^2*D non-causal,
-        about half of it causal), whatever a kernel actually executes.
+    @property
+    def useful_flops(self) -> int:
+        """Matmul flops of the attention itself: 2 products of 2*D flops per pair forward
+        (4*B*H*N^2*D non-causal, about half of it causal), 5 backward (2.5x: FlashAttention's
+        count, which leaves out the recomputation's extra exp).
+
+        This is the figure TFLOP/s is quoted against, whatever a kernel actually executes.
         """
-        return 4 * self.batch_heads * self.attended_pairs * self.head_dim
+        products = MATMULS_PER_PAIR[self.direction]
+        return 2 * products * self.batch_heads * self.attended_pairs * self.head_dim
 
     @property
     def tensor_bytes(self) -> int:
@@ -291,7 +311,9 @@ class Problem:
         mask = "causal" if self.causal else "full"
         variants = self.variant_text()
         label = f"{self.shape_text()} {self.dtype_label} {mask}"
-        return f"{label} {variants}" if variants else label
+        if variants:
+            label += f" {variants}"
+        return f"{label} backward" if self.backward else label
 
     @property
     def dtype_label(self) -> str:

@@ -23,12 +23,21 @@ HEADERS = (
 
 
 def best_table(result: SearchResult, top: int = 5) -> str:
-    """The ``top`` fastest distinct plans of the study, one row each."""
+    """The ``top`` fastest distinct plans of the study, one row each; backward studies add
+    the forward each trial ran on and forward + backward (a training step's attention)."""
     ranked = result.ranked()[:top]
     if not ranked:
         return "no candidate produced a time"
     rows = [_row(rank, trial) for rank, trial in enumerate(ranked, 1)]
-    return format_table(HEADERS, rows)
+    if not any(trial.forward_ms is not None for trial in ranked):
+        return format_table(HEADERS, rows)
+    for row, trial in zip(rows, ranked, strict=True):
+        total = None
+        if trial.forward_ms is not None and trial.median_ms is not None:
+            total = trial.forward_ms + trial.median_ms
+        row[3:3] = [_number(trial.forward_ms, 4), _number(total, 4)]
+    headers = (*HEADERS[:3], "forward ms", "fwd+bwd ms", *HEADERS[3:])
+    return format_table(headers, rows)
 
 
 def _row(rank: int, trial: TrialOutcome) -> list[str]:

@@ -461,6 +461,7 @@ def _measurement_attrs(measurement: Measurement) -> dict[str, Any]:
         "tflops": measurement.tflops,
         "gbps": measurement.gbps,
         "max_abs_error": measurement.max_abs_error,
+        "forward_ms": measurement.forward_ms,
     }
     return {
         "measured": measurement.measured,

@@ -44,9 +44,9 @@ def study_name(
     """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>[-<variants>]@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
-    ``<seq_len>kv<kv_len>``; self-attention names are what they always were. The
-    attention variants follow the mask (``variant_suffix``: ``-w4096-cap50-alibi-sinks``);
-    a problem without them keeps the name it always had.
+    ``<seq_len>kv<kv_len>``, a backward problem's mask ``<mask>-backward``. The attention
+    variants follow the mask (``variant_suffix``: ``-w4096-cap50-alibi-sinks``); a forward
+    problem without them keeps the name it always had.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -58,6 +58,8 @@ def study_name(
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
+    if problem.backward:  # forward studies keep the names they had
+        mask += "-backward"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
     name = f"{shape}-{problem.dtype_label}-{mask}{variant_suffix(problem)}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name

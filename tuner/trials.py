@@ -33,6 +33,8 @@ class TrialOutcome:
     tflops: float | None = None
     gbps: float | None = None
     max_abs_error: float | None = None
+    #: backward trials: the median time of the forward they ran on
+    forward_ms: float | None = None
     failure: str | None = None
     detail: str = ""
     duplicate_of: int | None = None
@@ -73,6 +75,7 @@ class TrialOutcome:
             tflops=timing.get("tflops"),
             gbps=timing.get("gbps"),
             max_abs_error=timing.get("max_abs_error"),
+            forward_ms=timing.get("forward_ms"),
             failure=attrs.get("failure"),
             detail=str(attrs.get("detail", "")),
             duplicate_of=attrs.get("duplicate_of"),

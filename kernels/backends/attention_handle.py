@@ -56,7 +56,7 @@ ROLES = ("q", "k", "v", "out", "partial_o", "partial_ml", "alibi_slopes", "sinks
 SCALE_ROLE = "scale_log2"
 #: addresses no allocation has (above 2**63), one per role: where a launch built with these has
 #: one, that argument is that buffer's pointer
-BUFFER_MARKERS = DeviceBuffers(*((0xF1A5 << 48) + index for index in range(len(ROLES))))
+BUFFER_MARKERS = DeviceBuffers(**{role: (0xF1A5 << 48) + index for index, role in enumerate(ROLES)})
 
 #: where a slot's tensor maps point until the first call re-points them: 16-byte aligned (the
 #: encoder checks alignment, not the memory) and far below any CUDA device allocation
@@ -82,12 +82,16 @@ def launch_templates(
     launches: tuple[KernelLaunch, ...],
     functions: dict[str, int],
     scale_log2: float | None = None,
+    markers: dict[int, str] | None = None,
 ) -> tuple[LaunchTemplate, ...]:
-    """``launches`` (built with ``BUFFER_MARKERS``) with each pointer argument named by role;
-    a null pointer stays a constant. With ``scale_log2`` (the value the family built the
-    launches with), the first float32 argument of a launch equal to it is ``SCALE_ROLE``."""
-    addresses = _addresses(BUFFER_MARKERS)
-    markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
+    """``launches`` (built with ``BUFFER_MARKERS``, or with the addresses of ``markers``:
+    address -> role) with each pointer argument named by role; a null pointer stays a
+    constant. With ``scale_log2`` (the value the family built the launches with), the first
+    float32 argument of a launch equal to it is ``SCALE_ROLE``."""
+    if markers is None:
+        addresses = _addresses(BUFFER_MARKERS)
+        markers = {int(address): role for role, address in zip(ROLES, addresses, strict=True)}
+    roles = tuple(markers.values())
     scale = None if scale_log2 is None else np.float32(scale_log2)
     templates = []
     for launch in launches:
@@ -109,7 +113,7 @@ def launch_templates(
                 if role is None and int(value) != 0:
                     raise BackendError(
                         f"{launch.function} argument {position} is a pointer that is none of "
-                        f"the buffers {', '.join(ROLES)}; the deploy path cannot pack it"
+                        f"the buffers {', '.join(roles)}; the deploy path cannot pack it"
                     )
                 arguments.append(value if role is None else role)
             elif not scaled and isinstance(value, np.float32) and value == scale:
@@ -154,6 +158,7 @@ class StreamSlot:
     ) -> None:
         self.q, self.k, self.v, self.out = (pointers[role] for role in ROLES[:4])
         self.alibi_slopes, self.sinks = pointers["alibi_slopes"], pointers["sinks"]
+        self.lse = pointers["lse"]
         self.scale_log2 = pointers[SCALE_ROLE]
         #: the encoded TMA descriptors the packed launches point at (re-pointed per call)
         self.tensor_maps = tensor_maps
@@ -281,11 +286,13 @@ class AttentionHandle:
         alibi_slopes: int = 0,
         sinks: int = 0,
         scale_log2: float | None = None,
+        lse: int = 0,
     ) -> None:
         """The plan's launches on the slot's stream, in the current context; no waiting.
 
         ``alibi_slopes``, ``sinks``: the caller's ``[heads]`` float32 arrays (0 when off);
-        ``scale_log2``: the caller's ``scale * log2(e)``, None for ``1/sqrt(head_dim)``'s.
+        ``scale_log2``: the caller's ``scale * log2(e)``, None for ``1/sqrt(head_dim)``'s;
+        ``lse``: where the rows' log-sum-exps go (0: nowhere).
         """
         if scale_log2 is None:
             scale_log2 = self.default_scale_log2
@@ -300,6 +307,7 @@ class AttentionHandle:
             slot.q.value, slot.k.value, slot.v.value, slot.out.value = q, k, v, out
             slot.alibi_slopes.value, slot.sinks.value = alibi_slopes, sinks
             slot.scale_log2.value = scale_log2
+            slot.lse.value = lse or None
             for encoded in slot.tensor_maps:
                 address = (
                     q if encoded.spec.buffer == "q" else k if encoded.spec.buffer == "k" else v
@@ -328,14 +336,18 @@ class AttentionHandle:
         alibi_slopes: int = 0,
         sinks: int = 0,
         scale_log2: float | None = None,
+        lse: Any = None,
     ) -> Any:
         """Launch on torch's current stream of this GPU; the result is ``out`` or a new tensor
-        like ``like`` (q). The caller checked the tensors (``kernels.attention_args``)."""
+        like ``like`` (q). The caller checked the tensors (``kernels.attention_args``).
+        ``lse``: a float32 tensor of ``[batch, heads, seq_len]`` the rows' natural-log
+        log-sum-exps go to (the forward of a training step), or None."""
         native = torch._C
         if native._cuda_getDevice() != self.device:
-            return self._run_torch_elsewhere(
-                like, q, k, v, out, torch, alibi_slopes, sinks, scale_log2
-            )
+            with torch.cuda.device(self.device):  # run under this GPU, as torch's ops do
+                return self.run_torch(
+                    like, q, k, v, out, torch, alibi_slopes, sinks, scale_log2, lse
+                )
         stream = native._cuda_getCurrentRawStream(self.device)
         result = torch.empty_like(like) if out is None else out
         if self.has_scratch and native._cuda_isCurrentStreamCapturing():
@@ -345,24 +357,11 @@ class AttentionHandle:
             slot = self._slots.get(stream)
             if slot is None:
                 slot = self.slot(stream, _torch_allocator(torch, like.device))
-        self.launch(slot, q, k, v, result.data_ptr(), alibi_slopes, sinks, scale_log2)
+        lse_address = 0 if lse is None else lse.data_ptr()
+        self.launch(
+            slot, q, k, v, result.data_ptr(), alibi_slopes, sinks, scale_log2, lse_address
+        )
         return result
-
-    def _run_torch_elsewhere(
-        self,
-        like: Any,
-        q: int,
-        k: int,
-        v: int,
-        out: Any,
-        torch: Any,
-        alibi_slopes: int,
-        sinks: int,
-        scale_log2: float | None,
-    ) -> Any:
-        """torch's current device is another GPU: run under this one, as torch's ops do."""
-        with torch.cuda.device(self.device):
-            return self.run_torch(like, q, k, v, out, torch, alibi_slopes, sinks, scale_log2)
 
     def close(self) -> None:
         with self._lock:

@@ -49,6 +49,9 @@ class Measurement:
     failure: Failure | None = None
     detail: str = ""
     samples_ms: tuple[float, ...] = field(default=(), repr=False)
+    #: backward trials: the median time of the forward they ran on (the same problem's
+    #: forward, with its LSE), so forward + backward can be shown; None otherwise
+    forward_ms: float | None = None
 
     @property
     def ok(self) -> bool:

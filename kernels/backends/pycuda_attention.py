@@ -5,7 +5,9 @@ importing this one loads no pycuda. ``DeviceRunner`` owns one GPU: its ``PyCudaB
 primary context, retained; the environment and limits the registry is asked with), a
 ``PlanChooser``, the loaded kernels and one ``AttentionHandle`` per ``Problem``
 (``kernels.backends.attention_handle``): plan, functions, geometry, packed arguments and split
-scratch per stream, made once; every later call of that problem is the handle's launch.
+scratch per stream, made once; every later call of that problem is the handle's launch. A
+backward problem (the gradients of a training step) gets a ``BackwardHandle``
+(``kernels.backends.backward_handle``) the same way.
 
 Kernels are loaded and launched through the driver API (``kernels.cuda_driver``), in the
 device's primary context, the one torch and the CUDA runtime use:
@@ -24,6 +26,7 @@ split scratch is float32 whatever the dtype) and the launches (``launch_sequence
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,15 +46,20 @@ from kernels.backends.attention_handle import (
     AttentionHandle,
     launch_templates,
 )
+from kernels.backends.backward_handle import (
+    BACKWARD_MARKERS,
+    BackwardHandle,
+    backward_marker_roles,
+)
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.cuda_driver import CudaDriver
-from kernels.launch import buffer_elements, launch_sequence
-from kernels.plan_choice import PlanChooser
+from kernels.launch import KernelLaunch, buffer_elements, launch_sequence
+from kernels.plan_choice import ChosenPlan, PlanChooser
 from kernels.variant_args import VariantArgs
 from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.launches import scale_log2
-from tuner.planner.tunable import KernelPlan
+from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
 from tuner.problem import Problem
 
 #: the legacy default stream: where non-torch arrays run
@@ -97,6 +105,7 @@ class DeviceRunner:
         self._compiled: dict[str, build.CompiledKernel] = {}
         self._modules: dict[str, tuple[int, dict[str, int]]] = {}  # compile key -> functions
         self._handles: dict[Problem, AttentionHandle] = {}
+        self._backward_handles: dict[tuple[Problem, bool], BackwardHandle] = {}
         self._lock = threading.Lock()
         with self.backend.active():
             self.context = current_context()
@@ -126,15 +135,28 @@ class DeviceRunner:
 
     def _resolve(self, problem: Problem) -> AttentionHandle:
         chosen = self.chooser.plan_for(problem)
-        plan = chosen.plan
+        launches = launch_sequence(chosen.plan, BUFFER_MARKERS)
+        functions = self._load(chosen.plan, launches)
+        return AttentionHandle(
+            problem,
+            self.index,
+            chosen,
+            launch_templates(launches, functions, scale_log2(problem.head_dim)),
+            buffer_elements(chosen.plan),
+            self.driver,
+            self.context,
+        )
+
+    def _load(self, plan: KernelPlan, launches: tuple[KernelLaunch, ...]) -> dict[str, int]:
+        """The plan's kernels loaded in the primary context (once per variant), their shared
+        memory opt-in set; entry name -> CUfunction."""
         key = build.KernelSpec.from_plan(plan).key
         compiled = self._compiled.get(key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
             checked = self._check(plan)
             if isinstance(checked, str):
-                raise BackendError(f"{plan.key()} for {problem.label()}: {checked}")
+                raise BackendError(f"{plan.key()} for {plan.problem.label()}: {checked}")
             compiled = self._compiled[key]
-        launches = launch_sequence(plan, BUFFER_MARKERS)
         with self.backend.active():  # modules and attributes belong to the primary context
             loaded = self._modules.get(key)
             if loaded is None:
@@ -148,12 +170,53 @@ class DeviceRunner:
                     self.driver.set_max_dynamic_shared(
                         functions[launch.function], launch.shared_bytes
                     )
-        return AttentionHandle(
-            problem,
+        return functions
+
+    def backward_handle(self, problem: Problem, deterministic: bool = False) -> BackwardHandle:
+        """The handle of a backward ``problem`` on this GPU (resolved on first use): the
+        registry's backward plan, else the planner's default; ``deterministic`` asks for the
+        key-tile-ordered dQ whatever the plan chose (a variant of the same plan)."""
+        key = (problem, deterministic)
+        found = self._backward_handles.get(key)
+        if found is None:
+            with self._lock:
+                found = self._backward_handles.get(key)
+                if found is None:
+                    found = self._backward_handles[key] = self._resolve_backward(
+                        problem, deterministic
+                    )
+        return found
+
+    def _resolve_backward(self, problem: Problem, deterministic: bool) -> BackwardHandle:
+        chosen = self.chooser.plan_for(problem)
+        params = chosen.plan.params.tunables
+        if deterministic and params.get("deterministic") == 0:
+            plan = plan_kernel(
+                problem,
+                KernelParams(chosen.plan.family, **(params | {"deterministic": 1})),
+                self.profile,
+            )
+            checked = self._check(plan) if plan.feasible else plan.reason
+            if isinstance(checked, str):
+                raise BackendError(
+                    f"the deterministic variant of {chosen.plan.key()} for {problem.label()} "
+                    f"cannot run: {checked}"
+                )
+            chosen = dataclasses.replace(chosen, plan=checked)
+        return self.backward_handle_of(chosen)
+
+    def backward_handle_of(self, chosen: ChosenPlan) -> BackwardHandle:
+        """A handle of the given backward plan (compiled and loaded now; not cached): what
+        ``backward_handle`` resolves to, and what a benchmark times plan by plan."""
+        launches = launch_sequence(chosen.plan, BACKWARD_MARKERS)  # type: ignore[arg-type]
+        functions = self._load(chosen.plan, launches)
+        family = chosen.plan.kernel_family
+        return BackwardHandle(
+            chosen.plan.problem,
             self.index,
             chosen,
-            launch_templates(launches, functions, scale_log2(problem.head_dim)),
-            buffer_elements(plan),
+            launch_templates(launches, functions, markers=backward_marker_roles()),
+            family.backward_scratch(chosen.plan),  # type: ignore[attr-defined]
             self.driver,
             self.context,
         )
@@ -208,6 +271,7 @@ class DeviceRunner:
             for handle in self._handles.values():
                 handle.close()  # frees scratch while the context is current
             self._handles.clear()
+            self._backward_handles.clear()
             for module, _ in self._modules.values():
                 self.driver.unload_module(module)
             self._modules.clear()

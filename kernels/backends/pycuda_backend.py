@@ -16,6 +16,9 @@ sampled, ``kernels.parity``) and, for float32 problems too large to check whole 
 CPU, the scalar kernel's output on the same inputs where that kernel takes the
 problem; each candidate then costs a cache lookup, a module load and its launches.
 
+A backward problem's trial (``kernels.backends.pycuda_backward``) runs the forward once with
+its LSE, checks dQ, dK, dV against float64 gradients and times the backward launches alone.
+
 Failures are values (``Measurement.failed``): INFEASIBLE (the planner or
 ptxas's register/spill report rules it out), COMPILE, RESOURCES (the launch
 itself is refused), WRONG_ANSWER, and RUNTIME_DEVICE. A RUNTIME_DEVICE failure
@@ -156,6 +159,8 @@ class PyCudaBackend(Backend):
         self._driver_modules: dict[str, int] = {}
         self._driver: CudaDriver | None = None
         self._state: _ProblemState | None = None
+        #: the backward problem's buffers, reference and forward (``pycuda_backward``)
+        self._backward_state: Any = None
         self._flush_buffer: Any = None
         self._flush_bytes = 0
 
@@ -201,6 +206,7 @@ class PyCudaBackend(Backend):
         with contextlib.suppress(Exception), self.active():
             # Free device memory while the context is current.
             self._state = None
+            self._backward_state = None
             self._flush_buffer = None
             self._modules.clear()
             for module in self._driver_modules.values():
@@ -454,6 +460,10 @@ class PyCudaBackend(Backend):
     def _measure_loaded(
         self, drv: Any, plan: KernelPlan, compiled: build.CompiledKernel
     ) -> Measurement:
+        if plan.problem.backward:
+            from kernels.backends import pycuda_backward
+
+            return pycuda_backward.measure(self, drv, plan, compiled)
         state, run = self._prepare(drv, plan, compiled)
         output = self._run_once(drv, state, run)
         parity = state.reference.check(output, state.tolerance)
@@ -491,7 +501,7 @@ class PyCudaBackend(Backend):
     def _problem_state(self, drv: Any, problem: Problem) -> _ProblemState:
         if self._state is not None and self._state.problem == problem:
             return self._state
-        self._state = None  # free the previous problem's buffers first
+        self._state = self._backward_state = None  # free the previous problem's buffers first
         # Seeded per problem: reruns see the same inputs, other problems other ones.
         identity = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
         if not problem.self_attention:  # self-attention problems keep the inputs they had

@@ -116,6 +116,56 @@ class DeviceBuffers:
 
 
 @dataclass(frozen=True, slots=True)
+class BackwardBuffers:
+    """Device addresses of one backward run's buffers (0 for a buffer a plan does not use).
+
+    Inputs: q, k, v as forward, ``out`` the forward's output, ``dout`` its gradient and ``lse``
+    the forward's natural-log log-sum-exps (float32, ``[batch * heads][seq_len]``); outputs
+    ``dq`` (q's shape), ``dk`` and ``dv`` (k's). The scratch (``BackwardScratch`` says how
+    much) and the per-head run-time data of the variants (``alibi_slopes``, ``sinks``) and the
+    sinks' gradient ``d_sinks`` (float32, one per query head) follow.
+    """
+
+    q: int
+    k: int
+    v: int
+    out: int
+    dout: int
+    lse: int
+    dq: int
+    dk: int
+    dv: int
+    lse_log2: int = 0
+    delta: int = 0
+    dq_accum: int = 0
+    counters: int = 0
+    dkv_partial: int = 0
+    alibi_slopes: int = 0
+    sinks: int = 0
+    d_sinks: int = 0
+
+
+#: the scratch buffers of a backward run, in ``BackwardBuffers`` order
+BACKWARD_SCRATCH = ("lse_log2", "delta", "dq_accum", "counters", "dkv_partial")
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardScratch:
+    """Bytes of each scratch buffer of a backward plan (0: the plan does not use it); the
+    backward family's ``backward_scratch`` says them, the backend and the deploy handle
+    allocate them. Uninitialised memory is fine: the kernels write before they read."""
+
+    lse_log2: int
+    delta: int
+    dq_accum: int
+    counters: int = 0
+    dkv_partial: int = 0
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in BACKWARD_SCRATCH}
+
+
+@dataclass(frozen=True, slots=True)
 class KernelLaunch:
     function: str
     grid: tuple[int, int, int]

@@ -106,10 +106,10 @@ def enumerate_params(problem: Problem, axes: SpaceAxes | None = None) -> Iterabl
     values = axes.values()
     for name in axes.family_names():
         family = family_named(name)
-        # A family that cannot take the problem's dtype is no candidate at all:
-        # counting its every combination as "rejected" would drown the reasons
-        # that matter (plan_kernel still refuses it in one line if asked).
-        if problem.dtype in family.dtypes:
+        # A family that cannot take the problem's dtype or direction is no candidate at
+        # all: counting its every combination as "rejected" would drown the reasons that
+        # matter (plan_kernel still refuses it in one line if asked).
+        if family.takes(problem):
             yield from family.enumerate_params(problem, values)
 
 

@@ -67,6 +67,8 @@ def plan_kernel(problem: Problem, params: KernelParams, device: DeviceProfile) -
             f"{family.name} kernels take {', '.join(family.dtypes)}, not {problem.dtype}"
         )
         return replace(plan, feasible=False, reason=reason)
+    if reason := family.direction_verdict(problem):
+        return replace(plan, feasible=False, reason=reason)
     return plan
 
 

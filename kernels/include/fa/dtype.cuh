@@ -1,6 +1,6 @@
 // Element types: what a family's IS_FP16 define selects, and the conversions from the fp32
 // accumulators to stored values (16-bit pairs for mma A fragments and outputs, float4 rows
-// for split partials and float32 outputs).
+// for split partials and float32 outputs) and back (the backward pass reads O and dO).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +31,19 @@ template <>
 __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// One 32-bit register of two 16-bit elements as two fp32 values (lo first): pack_pair's inverse.
+template <typename Elem>
+__device__ __forceinline__ float2 unpack_pair(uint32_t packed);
+
+template <>
+__device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t packed) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&packed));
+}
+template <>
+__device__ __forceinline__ float2 unpack_pair<__half>(uint32_t packed) {
+    return __half22float2(*reinterpret_cast<__half2*>(&packed));
 }
 
 // Two adjacent values of a row: a 4-byte pair of 16-bit elements, or a float2.

@@ -14,6 +14,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// A pointer the optimiser must treat as changed here (an empty asm that claims to write it):
+// it is then neither hoisted out of a loop nor rematerialised (see TileCopy::load).
+template <typename T>
+__device__ __forceinline__ void opaque(const T*& pointer) {
+    asm volatile("" : "+l"(pointer));
+}
+
 // ---------------------------------------------------------------- cp.async (sm_80+)
 
 // 16 bytes global -> shared, bypassing L1; src_bytes = 0 zero-fills (rows past the end).
@@ -92,6 +99,30 @@ __device__ __forceinline__ float fast_tanh(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// ---------------------------------------------------------------- global reductions
+
+// Two adjacent floats added to global memory (relaxed, GPU scope): one vector reduction on
+// sm_90 (red.global.add.v2.f32), two scalar ones before it. dst must be 8-byte aligned.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(dst + 1), "f"(b) : "memory");
+#endif
+}
+
+// A flag read with acquire semantics at GPU scope: what other blocks wrote before they
+// released it (red_release_add) is visible after this returns its value.
+__device__ __forceinline__ int load_acquire(const int* flag) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
+__device__ __forceinline__ void red_release_add(int* flag, int value) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
 
 // ---------------------------------------------------------------- quad reductions

@@ -54,20 +54,30 @@ struct ScoreMod {
             for (int c = 0; c < NChunks; ++c)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float x = s[4 * c + i];
-                    if (Softcap) {
-                        const float t = x * cap_in;
-                        x = cap_out * (PreciseTanh ? tanhf(t) : fast_tanh(t));
-                    } else {
-                        x *= scale_log2;
-                    }
-                    if (Alibi) {
-                        const int key = key0 + 8 * c + 2 * (lane % 4) + (i % 2);
-                        x += slope[i / 2] * fabsf(static_cast<float>(rows[i / 2] + offset - key));
-                    }
-                    s[4 * c + i] = x;
+                    const int key = key0 + 8 * c + 2 * (lane % 4) + (i % 2);
+                    float unused;
+                    s[4 * c + i] = logit(s[4 * c + i], rows[i / 2], key, i / 2, unused);
                 }
         }
+    }
+
+    // One raw score x = q.k of query row `row` and key `key` as its log2-domain logit (what
+    // apply() does to every score; `half` picks the row's ALiBi slope), and in `derivative`
+    // d logit / d (x * scale) in natural units, for the backward pass: 1 - tanh^2 under the
+    // softcap (logit = softcap * tanh(x * scale / softcap)), 1 otherwise (ALiBi's bias does
+    // not depend on x). The backward recomputes P with exactly the forward's arithmetic.
+    __device__ __forceinline__ float logit(float x, int row, int key, int half,
+                                           float& derivative) const {
+        if (Softcap) {
+            const float t = PreciseTanh ? tanhf(x * cap_in) : fast_tanh(x * cap_in);
+            derivative = 1.f - t * t;
+            x = cap_out * t;
+        } else {
+            derivative = 1.f;
+            x *= scale_log2;
+        }
+        if (Alibi) x += slope[half] * fabsf(static_cast<float>(row + offset - key));
+        return x;
     }
 };
 

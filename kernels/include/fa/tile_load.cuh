@@ -38,7 +38,7 @@ struct TileCopy {
                 // Step the pointer through an opaque register: otherwise the compiler
                 // hoists one 64-bit address per pass out of the key loop and spills them.
                 src += kRowsPerPass * HeadDim;
-                asm volatile("" : "+l"(src));
+                opaque(src);
             }
         } else {
             for (int c = tid; c < Rows * kChunksPerRow; c += Threads) {

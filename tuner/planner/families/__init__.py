@@ -52,9 +52,13 @@ def family_named(name: str) -> KernelFamily:
         raise PlanError(f"unknown kernel family {name!r}; known: {', '.join(_FAMILIES)}") from None
 
 
-def families_for(dtype: str) -> tuple[str, ...]:
-    """The families whose kernels take ``dtype``."""
-    return tuple(name for name, family in _FAMILIES.items() if dtype in family.dtypes)
+def families_for(dtype: str, direction: str = "forward") -> tuple[str, ...]:
+    """The families whose kernels take ``dtype`` in ``direction`` (forward or backward)."""
+    return tuple(
+        name
+        for name, family in _FAMILIES.items()
+        if dtype in family.dtypes and family.direction == direction
+    )
 
 
 # One line per family: the module under tuner/planner/families/ that defines FAMILY.
@@ -65,6 +69,7 @@ for _module in (
     "decode_f16",
     "mma_tf32",
     "wgmma_f16",
+    "mma_f16_bwd",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)
 

@@ -69,10 +69,11 @@ class CostTerms:
     """A family's share of the cost model: what its kernel executes besides the useful work.
 
     ``executed_pairs``: (query, key) score pairs computed per (batch, head),
-    padding included; the matmul flops are ``4 * head_dim`` per pair on
-    ``matmul_pipe``. ``exps``: exp2 on the SFU (whole problem). The other
-    non-matmul flops (``KernelPlan.non_matmul_flops - exps``) and
-    ``shared_lane_ops`` issue at one op per lane-instruction.
+    padding included; the matmul flops are ``2 * matmuls_per_pair * head_dim`` per pair
+    on ``matmul_pipe`` (2 products a pair forward, 5 backward: ``matmuls_per_pair``).
+    ``exps``: exp2 on the SFU (whole problem). The other non-matmul flops
+    (``KernelPlan.non_matmul_flops - exps``) and ``shared_lane_ops`` issue at one op per
+    lane-instruction.
     ``shared_bytes``: bytes through the shared-memory banks. ``ilp``:
     independent instructions per warp that hide latency. ``matmul_passes``:
     products the pipe executes per useful one (3 for the 3xTF32 split).
@@ -98,6 +99,7 @@ class CostTerms:
     bytes_in_flight: int = 0
     pipelined: bool = False
     registers: int = 0
+    matmuls_per_pair: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +139,9 @@ class KernelFamily(ABC):
     #: whether the kernel takes the attention variants (window, softcap, ALiBi, sinks) of
     #: the shared device layer; a family that does not refuses such problems with a reason
     takes_variants: ClassVar[bool] = True
+    #: what the kernel computes: "forward" (the attention) or "backward" (its gradients);
+    #: a family plans only problems of its direction (``tuner.problem.DIRECTIONS``)
+    direction: ClassVar[str] = "forward"
 
     # ------------------------------------------------------------------ candidates
 
@@ -187,6 +192,19 @@ class KernelFamily(ABC):
 
     def arch_for(self, device_arch: str) -> str:
         return self.arch or device_arch
+
+    def takes(self, problem: Problem) -> bool:
+        """Whether the problem's dtype and direction are this family's (else it is no
+        candidate at all)."""
+        return problem.dtype in self.dtypes and problem.direction == self.direction
+
+    def direction_verdict(self, problem: Problem) -> str:
+        """Why this family cannot run the problem's direction ("" when it can)."""
+        if problem.direction != self.direction:
+            return (
+                f"{self.name} computes the {self.direction} pass, not the {problem.direction} pass"
+            )
+        return ""
 
     def variant_verdict(self, problem: Problem) -> str:
         """Why this family cannot run the problem's attention variant ("" when it can)."""

@@ -1,0 +1,106 @@
+"""The kernel sources, unchanged, on a CPU emulator of the CUDA execution model
+(``tests/device_emulation``): every index, fragment layout (ldmatrix, mma.sync at the PTX
+ISA's semantics), mask and barrier of the forward's LSE and of the whole backward, checked
+against float64 with the GPU backend's own rule, on a machine without a GPU. Needs g++ and
+the CUDA headers; each case builds the plan's kernel once (cached) and runs in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from device_emulation import emulate
+
+from kernels import precision
+from kernels.backward_parity import BackwardReference
+from tuner.device import H200
+from tuner.planner import KernelParams, plan_kernel
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.skipif(bool(emulate.available()), reason=emulate.available() or "ok")
+
+#: a small forward plan (whatever forward computes O and the LSE the backward reads)
+FORWARD = {"block_m": 64, "block_n": 32, "warps": 4, "stages": 2, "split_target": 1 << 16}
+
+CASES = [
+    # the default head_dim-128 plan (8 warps, 16 keys each), causal with kv_len > seq_len
+    (
+        Problem(130, 128, causal=True, dtype="bfloat16", kv_len=150),
+        {"block_m": 64, "block_n": 128, "warps": 8, "stages": 2, "q_chunk": 16},
+    ),
+    # 32 keys a warp, single-buffered query tiles, float16, odd lengths
+    (
+        Problem(50, 64, heads=2, causal=True, dtype="float16", kv_len=91),
+        {"block_m": 64, "block_n": 128, "warps": 4, "stages": 1, "q_chunk": 16},
+    ),
+    # MQA split over two shares (float32 dK/dV partials summed), deterministic dQ
+    (
+        Problem(45, 64, batch=2, heads=4, kv_heads=1, dtype="bfloat16", kv_len=70),
+        {
+            "block_m": 32,
+            "block_n": 64,
+            "warps": 4,
+            "q_chunk": 16,
+            "group_split": 2,
+            "deterministic": 1,
+        },
+    ),  # fmt: skip
+    # a window whose rows past kv_len see no key at all (LSE +inf), deterministic order
+    (
+        Problem(70, 64, heads=2, dtype="bfloat16", kv_len=40, window_left=5, window_right=0),
+        {"block_m": 32, "block_n": 64, "warps": 4, "q_chunk": 16, "deterministic": 1},
+    ),
+    # softcap (its derivative), ALiBi and sinks (their gradient), causal
+    (
+        Problem(
+            33, 64, heads=2, causal=True, dtype="bfloat16", softcap=3.0, alibi=True, sinks=True
+        ),
+        {"block_m": 32, "block_n": 64, "warps": 4, "q_chunk": 32},
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("problem", "params"), CASES, ids=[p.label() for p, _ in CASES])
+def test_emulated_backward_matches_float64(problem: Problem, params: dict[str, int]) -> None:
+    forward = plan_kernel(problem, KernelParams("mma_f16", **FORWARD), H200)
+    backward_problem = dataclasses.replace(problem, direction="backward")
+    backward = plan_kernel(backward_problem, KernelParams("mma_f16_bwd", **params), H200)
+    assert forward.feasible and backward.feasible, (forward.reason, backward.reason)
+    run = emulate.emulate_backward(forward, backward)
+    sinks = run.sinks if problem.sinks else None
+    slopes = run.alibi_slopes if problem.alibi else None
+    reference = BackwardReference.compute(
+        problem, run.q, run.k, run.v, run.dout.reshape(run.q.shape), slopes, sinks
+    )
+    sampled = reference.gradients
+    forward_limit = precision.FALLBACK_TOLERANCE[problem.dtype]
+    forward_check = reference.check_forward(run.out, run.lse, forward_limit)
+    assert forward_check.ok, forward_check.detail
+    assert reference.full and sampled.heads.size == problem.batch_heads
+    result = reference.check(run.gradients)
+    assert result.ok, result.detail
+    if problem.sinks:
+        assert "d_sinks" in result.detail
+
+
+def test_a_transposed_fragment_fails_the_check_which_says_where() -> None:
+    """dK transposed within each 8x8 block (what a missing ``.trans`` on an ldmatrix gives)
+    fails the check, whose detail names the gradient and the element."""
+    problem = Problem(40, 64, dtype="bfloat16")
+    params = {"block_m": 32, "block_n": 64, "warps": 4, "q_chunk": 16}
+    forward = plan_kernel(problem, KernelParams("mma_f16", **FORWARD), H200)
+    backward = plan_kernel(
+        dataclasses.replace(problem, direction="backward"),
+        KernelParams("mma_f16_bwd", **params),
+        H200,
+    )
+    run = emulate.emulate_backward(forward, backward)
+    reference = BackwardReference.compute(
+        problem, run.q, run.k, run.v, run.dout.reshape(run.q.shape)
+    )
+    assert reference.check(run.gradients).ok
+    # dK transposed within each 8x8 block is what a missing .trans would give
+    dk = run.gradients["dk"].reshape(-1, 8, 8).transpose(0, 2, 1).reshape(-1)
+    broken = reference.check(run.gradients | {"dk": dk})
+    assert not broken.ok and "worst dk at [KV head, key, column]" in broken.detail
