@@ -37,12 +37,14 @@ class Variant:
     sinks: np.ndarray | None = None  # [heads], natural-log logits
 
 
-def visible(query_len: int, kv_len: int, keys: np.ndarray, variant: Variant) -> np.ndarray:
-    """``[query_len, keys.size]``: whether row ``r`` sees each key."""
-    rows = np.arange(query_len)[:, None]
+def visible(
+    query_len: int, kv_len: int, keys: np.ndarray, variant: Variant, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """``[rows, keys.size]``: whether each query row (default: all ``query_len``) sees each key."""
+    rows = (np.arange(query_len) if rows is None else np.asarray(rows))[:, None]
     off = kv_len - query_len
-    seen = np.broadcast_to((keys[None, :] < kv_len) & (keys[None, :] >= 0), (query_len, keys.size))
-    seen = seen.copy()
+    in_range = (keys[None, :] < kv_len) & (keys[None, :] >= 0)
+    seen = np.broadcast_to(in_range, (rows.shape[0], keys.size)).copy()
     if variant.causal:
         seen &= keys[None, :] <= rows + off
     elif variant.window_right >= 0:
@@ -53,11 +55,19 @@ def visible(query_len: int, kv_len: int, keys: np.ndarray, variant: Variant) -> 
 
 
 def _logits(
-    q: np.ndarray, k: np.ndarray, keys: np.ndarray, kv_len: int, heads: int, variant: Variant
+    q: np.ndarray,
+    rows: np.ndarray,
+    query_len: int,
+    k: np.ndarray,
+    keys: np.ndarray,
+    kv_len: int,
+    heads: int,
+    variant: Variant,
 ) -> np.ndarray:
-    """``[heads, q_len, keys]`` natural-log logits of rows ``q`` ``[q_len, heads, d]`` against
-    ``k`` ``[keys, kv_heads, d]`` (key ``keys[j]`` of the request), hidden ones -inf."""
-    q_len, _, d = q.shape
+    """``[heads, rows, keys]`` natural-log logits of query rows ``rows`` (values ``q``
+    ``[rows, heads, d]``) of a request of ``query_len`` rows against ``k`` ``[keys, kv_heads,
+    d]`` (key ``keys[j]`` of the request), hidden ones -inf."""
+    d = q.shape[-1]
     group = heads // k.shape[1]
     kv_of = np.arange(heads) // group
     scores = np.einsum("rhd,khd->hrk", q.astype(np.float64), k[:, kv_of].astype(np.float64))
@@ -65,9 +75,10 @@ def _logits(
     if variant.softcap > 0:
         scores = variant.softcap * np.tanh(scores / variant.softcap)
     if variant.alibi_slopes is not None:
-        distance = np.abs(np.arange(q_len)[:, None] + kv_len - q_len - keys[None, :])
+        distance = np.abs(rows[:, None] + kv_len - query_len - keys[None, :])
         scores = scores - variant.alibi_slopes[:, None, None] * distance[None]
-    return np.where(visible(q_len, kv_len, keys, variant)[None], scores, -np.inf)
+    seen = visible(query_len, kv_len, keys, variant, rows)
+    return np.where(seen[None], scores, -np.inf)
 
 
 def _softmax_parts(logits: np.ndarray, v: np.ndarray, heads: int) -> tuple[np.ndarray, ...]:
@@ -84,14 +95,22 @@ def _softmax_parts(logits: np.ndarray, v: np.ndarray, heads: int) -> tuple[np.nd
 
 
 def request_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, variant: Variant = Variant()
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    variant: Variant = Variant(),
+    rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One request: (output ``[q_len, heads, d]``, natural-log LSE ``[q_len, heads]``).
-    A row that sees no key (and no sink) is 0 with LSE +inf (FlashAttention's convention)."""
+    """One request (``q`` ``[q_len, heads, d]``, ``k``, ``v`` ``[kv_len, kv_heads, d]``):
+    (output ``[rows, heads, d]``, natural-log LSE ``[rows, heads]``) of query rows ``rows``
+    (default all). A row that sees no key (and no sink) is 0 with LSE +inf (FlashAttention's
+    convention)."""
     q_len, heads, _ = q.shape
+    rows = np.arange(q_len) if rows is None else np.asarray(rows, dtype=np.int64)
     kv_len = k.shape[0]
     keys = np.arange(kv_len)
-    out, top, total = _softmax_parts(_logits(q, k, keys, kv_len, heads, variant), v, heads)
+    logits = _logits(q[rows], rows, q_len, k, keys, kv_len, heads, variant)
+    out, top, total = _softmax_parts(logits, v, heads)
     return _finish(out, top, total, variant.sinks)
 
 
@@ -139,7 +158,10 @@ def emulate_work_list(
         head_ids = kv_head * group + members
         keys = np.arange(key_begin, key_end)
         # This item's rows: every token of the request (masks need the row index) ...
-        logits = _logits(q[q_start : q_start + q_len], k[keys], keys, kv_len, heads, variant)
+        every = np.arange(q_len)
+        logits = _logits(
+            q[q_start : q_start + q_len], every, q_len, k[keys], keys, kv_len, heads, variant
+        )
         rows_out, top, total = _softmax_parts(logits, v[keys], heads)
         # ... of which it owns (token, head) pairs ``tokens, head_ids``.
         o = rows_out[tokens, head_ids]

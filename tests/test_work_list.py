@@ -48,8 +48,14 @@ def batches(draw: st.DrawFn) -> tuple[BatchShape, WorkParams]:
     window_left = draw(st.sampled_from([-1, -1, 0, 5, 100]))
     window_right = -1 if causal else draw(st.sampled_from([-1, -1, 0, 7]))
     batch = BatchShape(
-        np.array(q), np.array(kv), np.arange(size) * 1000, heads, kv_heads, causal,
-        window_left, window_right,
+        np.array(q),
+        np.array(kv),
+        np.arange(size) * 1000,
+        heads,
+        kv_heads,
+        causal,
+        window_left,
+        window_right,
     )
     params = WorkParams(
         block_n=draw(st.sampled_from([16, 32, 64])),
@@ -161,8 +167,14 @@ def test_splits_follow_the_actual_lengths_within_the_caps(case) -> None:
     assert np.all(work.splits[tiles <= work.chunk_tiles] == 1)
     # Where the KV rows sit (page lists, allocations) changes nothing but the requests rows.
     moved = BatchShape(
-        batch.query_lens, batch.kv_lens, batch.kv_offsets[::-1] + 7, batch.heads,
-        batch.kv_heads, batch.causal, batch.window_left, batch.window_right,
+        batch.query_lens,
+        batch.kv_lens,
+        batch.kv_offsets[::-1] + 7,
+        batch.heads,
+        batch.kv_heads,
+        batch.causal,
+        batch.window_left,
+        batch.window_right,
     )
     again = plan_work(moved, params, roomy(batch, params.ctas))
     assert np.array_equal(again.items, work.items)
@@ -181,7 +193,10 @@ def test_the_work_list_replays_to_dense_attention(case, seed: int) -> None:
     keys = [rng.standard_normal((2, int(n), batch.kv_heads, d)) for n in batch.kv_lens]
     sinks = rng.standard_normal(batch.heads) if seed % 2 else None
     variant = Variant(
-        batch.causal, batch.window_left, batch.window_right, softcap=5.0 * (seed % 3 == 0),
+        batch.causal,
+        batch.window_left,
+        batch.window_right,
+        softcap=5.0 * (seed % 3 == 0),
         sinks=sinks,
     )
     out, lse = emulate_work_list(

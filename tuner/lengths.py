@@ -14,9 +14,10 @@ distribution bounded by the problem's ``kv_len``:
 A request's query rows are ``min(seq_len, its KV length)`` (``seq_len`` under ``equal``,
 the dense meaning): decode and speculative verification (``seq_len`` up to 16 against longer
 caches) keep ``seq_len`` rows, varlen self-attention (``seq_len == kv_len``) gives each request
-as many rows as keys, and chunked prefill caps the chunk at the request's length. Draws are seeded by the distribution, the
-batch and ``kv_len`` only, so a problem always stands for the same batch: the tuner measures
-that sample, the planner counts its work, the registry keys it by the distribution's name.
+as many rows as keys, and chunked prefill caps the chunk at the request's length. Draws are
+seeded by the distribution, the batch and ``kv_len`` only, so a problem always stands for the
+same batch: the tuner measures that sample, the planner counts its work, the registry keys it
+by the distribution's name.
 
 Pure: stdlib and numpy.
 """

@@ -102,6 +102,8 @@ class DeviceBuffers:
     Besides q, k, v, out and the split scratch: ``alibi_slopes`` and ``sinks`` (float32,
     one per query head) for problems with those variants, and ``lse`` (float32, one per
     query row of every head) where the row log-sum-exps are asked for (the backward pass).
+    Serving batches add ``work`` (the int32 work list, ``tuner.planner.work_list``) and
+    ``pages`` (the int32 page lists of a paged KV cache).
     """
 
     q: int
@@ -113,6 +115,8 @@ class DeviceBuffers:
     alibi_slopes: int = 0
     sinks: int = 0
     lse: int = 0
+    work: int = 0
+    pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tuner.planner.errors import PlanError
+from tuner.problem import Problem
 
 #: a work item's fixed cost in key tiles: its Q load, the warps' merge and its epilogue
 ITEM_OVERHEAD_TILES = 1
@@ -55,6 +56,9 @@ HEADER_WORDS = 4
 #: a direct item's partial_row0: it writes the output itself
 DIRECT = -1
 INT32_MAX = 2**31 - 1
+#: rows left between the requests of the tuner's ragged KV tensor (``problem_batch``): the
+#: inputs put NaN there, so a kernel reading past a request's keys shows it
+RAGGED_GAP = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +183,34 @@ class WorkList:
         return float(costs.sum()) / len(self.cta_costs) + float(costs.max())
 
 
-def _row_block_spans(
-    batch: BatchShape, block_rows: int, block_n: int
-) -> tuple[np.ndarray, ...]:
+def table_width(problem: Problem) -> int:
+    """Pages a request may hold in the tuner's block table: ``ceil(kv_len / page_size)``."""
+    return -(-problem.kv_len // problem.page_size) if problem.page_size else 0
+
+
+def problem_batch(problem: Problem) -> BatchShape:
+    """The batch a serving problem stands for (what the tuner plans, launches and checks):
+    the seeded sample of its lengths (``Problem.request_lengths``), request ``b``'s pages
+    at ``b * table_width`` of a block table (paged), or its keys from row
+    ``sum(kv_len + RAGGED_GAP of the requests before it)`` of a ragged tensor."""
+    sample = problem.request_lengths()
+    if problem.page_size:
+        offsets = np.arange(sample.batch, dtype=np.int64) * table_width(problem)
+    else:
+        offsets = np.cumsum(sample.kv + RAGGED_GAP) - (sample.kv + RAGGED_GAP)
+    return BatchShape(
+        sample.query,
+        sample.kv,
+        offsets,
+        problem.heads,
+        problem.kv_heads,
+        problem.causal,
+        problem.window_left,
+        problem.window_right,
+    )
+
+
+def _row_block_spans(batch: BatchShape, block_rows: int, block_n: int) -> tuple[np.ndarray, ...]:
     """Per row block of every request: (request, row0, key_begin, key_end, tiles)."""
     group = batch.group
     packed = batch.query_lens * group

@@ -65,6 +65,7 @@ for _module in (
     "decode_f16",
     "mma_tf32",
     "wgmma_f16",
+    "serving_f16",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)
 
