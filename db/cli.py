@@ -31,7 +31,13 @@ from db.registry import PlanRegistry, upgrade_registry
 from tuner.data_dir import default_registry_url
 from tuner.environment import Environment
 from tuner.errors import TunerError
-from tuner.problem import FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem, shape_error
+from tuner.problem import (
+    FLOAT32_PRECISIONS,
+    SUPPORTED_DTYPES,
+    Problem,
+    serving_error,
+    shape_error,
+)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -66,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=FLOAT32_PRECISIONS,
         help="float32 only: tf32x3 (the default) or tf32 (one-pass TF32 plans)",
+    )
+    shape.add_argument(
+        "--page-size",
+        type=_positive,
+        help="a serving bucket's KV-cache page size in tokens (default: contiguous)",
+    )
+    shape.add_argument(
+        "--lengths",
+        default="equal",
+        help="a serving bucket's length distribution: equal (default), uniform, skewed",
     )
     shape.add_argument(
         "--gpu-name",
@@ -139,6 +155,9 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         raise TunerError(f"not a problem: {reason}")
     if args.precision is not None and args.dtype != "float32":
         raise TunerError(f"--precision {args.precision} applies to --dtype float32 only")
+    reason = serving_error(args.page_size, args.lengths, args.kv_len or args.seq_len)
+    if reason:
+        raise TunerError(f"not a problem: {reason}")
     return Problem(
         args.seq_len,
         args.head_dim,
@@ -149,6 +168,8 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         kv_heads=args.kv_heads,
         kv_len=args.kv_len,
         precision=args.precision or "",
+        page_size=args.page_size,
+        lengths=args.lengths,
     )
 
 

@@ -114,6 +114,8 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str]:
         "kv_heads": problem.kv_heads,
         "kv_len": problem.kv_len,
         "precision": problem.precision,
+        "page_size": problem.page_size or 0,
+        "lengths": problem.lengths,
     }
 
 
@@ -193,6 +195,8 @@ class ProblemRow(Base):
             "heads",
             "kv_heads",
             "kv_len",
+            "page_size",
+            "lengths",
             name="uq_problems_shape",
         ),
     )
@@ -211,6 +215,11 @@ class ProblemRow(Base):
     # Added by revision 0005: "tf32x3" or "tf32" for float32 (rows from before it
     # read as "tf32x3", the accurate precision), "" for the half dtypes.
     precision: Mapped[str] = mapped_column(String(16), server_default="")
+    # Added by revision 0006 (serving buckets): tokens a page of a paged KV cache (0:
+    # contiguous) and the requests' length distribution; rows from before it are dense
+    # problems, 0 and "equal".
+    page_size: Mapped[int] = mapped_column(Integer, server_default="0")
+    lengths: Mapped[str] = mapped_column(String(1024), server_default="equal")
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -228,6 +237,8 @@ class ProblemRow(Base):
             kv_heads=problem.kv_heads,
             kv_len=problem.kv_len,
             precision=problem.precision,
+            page_size=problem.page_size or 0,
+            lengths=problem.lengths,
         )
 
     def to_problem(self) -> Problem:
@@ -241,6 +252,8 @@ class ProblemRow(Base):
             kv_heads=self.kv_heads,
             kv_len=self.kv_len,
             precision=self.precision,
+            page_size=self.page_size or None,
+            lengths=self.lengths,
         )
 
 

@@ -56,6 +56,7 @@ SHAPE_FAMILY_TERMS = (
     "q.precision = :precision",
     "q.causal = :causal",
     "q.heads = q.kv_heads * :group",
+    "q.page_size = :page_size",
 )
 EXACT_SHAPE_TERMS = (
     *SHAPE_FAMILY_TERMS,
@@ -64,6 +65,7 @@ EXACT_SHAPE_TERMS = (
     "q.heads = :heads",
     "q.kv_heads = :kv_heads",
     "q.kv_len = :kv_len",
+    "q.lengths = :lengths",
 )
 
 
@@ -150,6 +152,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
         "precision": problem.precision,
         "causal": problem.causal,
         "group": problem.group,
+        "page_size": problem.page_size or 0,
     }
     if exact:
         params |= {
@@ -158,6 +161,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
             "heads": problem.heads,
             "kv_heads": problem.kv_heads,
             "kv_len": problem.kv_len,
+            "lengths": problem.lengths,
         }
     return params
 
@@ -249,6 +253,6 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 def every_best(connection: Connection) -> list[FoundPlan]:
     order = (
         "q.head_dim, q.dtype, q.precision, q.causal, q.seq_len, q.batch, q.heads, q.kv_heads,"
-        " q.kv_len, e.id"
+        " q.kv_len, q.page_size, q.lengths, e.id"
     )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

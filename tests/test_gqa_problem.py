@@ -68,6 +68,9 @@ def test_labels_study_names_and_registry_keys_of_old_problems_are_unchanged() ->
         "kv_heads": 16,
         "kv_len": 4096,
         "precision": "",  # half dtypes: precision does not apply
+        # dense: what revision 0006 gives every row from before it
+        "page_size": 0,
+        "lengths": "equal",
     }
 
 

@@ -41,10 +41,11 @@ def study_name(
     *,
     sampler: str = "tpe",
 ) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>@<gpu>-<digest>-<sampler>[-<variant>]``.
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>[-page<n>][-<lengths>]@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
-    ``<seq_len>kv<kv_len>``; self-attention names are what they always were.
+    ``<seq_len>kv<kv_len>``; a serving bucket adds its page size and length distribution;
+    self-attention names are what they always were.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -57,6 +58,8 @@ def study_name(
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", environment.gpu_name).strip("-").lower() or "gpu"
     mask = "causal" if problem.causal else "full"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
+    serving = problem.serving_text(separator="-").replace("page=", "page").replace("lengths=", "")
+    mask = f"{mask}-{serving}" if serving else mask
     name = f"{shape}-{problem.dtype_label}-{mask}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
 

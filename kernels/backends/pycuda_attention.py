@@ -45,7 +45,7 @@ from kernels.backends.attention_handle import (
 )
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.cuda_driver import CudaDriver
-from kernels.launch import buffer_elements, launch_sequence
+from kernels.launch import KernelLaunch, buffer_elements, launch_sequence
 from kernels.plan_choice import PlanChooser
 from tuner.environment import Environment
 from tuner.errors import BackendError
@@ -122,17 +122,22 @@ class DeviceRunner:
                     found = self._handles[problem] = self._resolve(problem)
         return found
 
-    def _resolve(self, problem: Problem) -> AttentionHandle:
-        chosen = self.chooser.plan_for(problem)
-        plan = chosen.plan
+    def checked(self, plan: KernelPlan) -> KernelPlan:
+        """``plan`` compiled (or found in the cache) and judged with the compiler's report;
+        ``BackendError`` when it cannot run here."""
+        checked = self._check(plan)
+        if isinstance(checked, str):
+            raise BackendError(f"{plan.key()} for {plan.problem.label()}: {checked}")
+        return checked
+
+    def load(self, plan: KernelPlan, launches: Sequence[KernelLaunch]) -> dict[str, int]:
+        """The plan's kernels loaded once in this GPU's primary context, with the dynamic
+        shared memory of ``launches`` opted in: entry function name -> CUfunction."""
         key = build.KernelSpec.from_plan(plan).key
         compiled = self._compiled.get(key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
-            checked = self._check(plan)
-            if isinstance(checked, str):
-                raise BackendError(f"{plan.key()} for {problem.label()}: {checked}")
+            self.checked(plan)
             compiled = self._compiled[key]
-        launches = launch_sequence(plan, BUFFER_MARKERS)
         with self.backend.active():  # modules and attributes belong to the primary context
             loaded = self._modules.get(key)
             if loaded is None:
@@ -146,6 +151,13 @@ class DeviceRunner:
                     self.driver.set_max_dynamic_shared(
                         functions[launch.function], launch.shared_bytes
                     )
+        return functions
+
+    def _resolve(self, problem: Problem) -> AttentionHandle:
+        chosen = self.chooser.plan_for(problem)
+        plan = chosen.plan
+        launches = launch_sequence(plan, BUFFER_MARKERS)
+        functions = self.load(plan, launches)
         return AttentionHandle(
             problem,
             self.index,
