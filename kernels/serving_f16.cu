@@ -52,7 +52,7 @@
 #define M_TILES 1
 #endif
 #ifndef STAGES
-#define STAGES 4
+#define STAGES 3
 #endif
 #ifndef PAGED
 #define PAGED 1

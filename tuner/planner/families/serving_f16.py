@@ -206,7 +206,7 @@ class ServingF16(KernelFamily):
         Tunable("warps", 4, (4, 8)),
         Tunable("row_warps", 1, (1, 2, 4, 8)),
         Tunable("m_tiles", 1, (1, 2)),
-        Tunable("stages", 4, (2, 4)),
+        Tunable("stages", 3, (2, 3, 4)),
         Tunable("ctas_per_sm", 2, (1, 2, 4)),
         Tunable("items_per_cta", 2, (1, 2, 4)),
         Tunable("min_chunk_tiles", 4, (2, 8)),
