@@ -74,6 +74,10 @@ def test_launches_follow_the_kernel_signature() -> None:
     buffers = DeviceBuffers(1, 2, 3, 4, 5, 6, work=7, pages=8)
     attention, merge = FAMILY.launches(plan, buffers)
     assert attention.function == "serving_f16_attention" and len(attention.args) == 21
+    variant = [np.int32] * 3 + [np.float32] + [np.uintp] * 3
+    assert [type(a) for a in attention.args] == [np.uintp] * 8 + [np.int32] * 5 + [
+        np.float32
+    ] + variant
     assert [int(a) for a in attention.args[:8]] == [1, 2, 3, 4, 5, 6, 7, 8]
     layout, words = FAMILY.tuning_buffer(plan)
     assert [int(a) for a in attention.args[8:13]] == [

@@ -207,3 +207,26 @@ def test_torch_tensors_on_the_host_are_lengths_too() -> None:
     assert list(planned.work.requests[:, 2]) == [16, 17]
     with pytest.raises(ServingInputTypeError, match=r"^query_lens has dtype torch.float32"):
         p.plan(torch.ones(2), [16, 17], table([16, 17]), into=p.staging())
+
+
+def test_the_bench_picks_the_defaults_and_the_best_predictions() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import serving_bench
+
+    bucket = Problem(
+        1,
+        128,
+        batch=16,
+        heads=32,
+        kv_heads=8,
+        kv_len=8192,
+        dtype="bfloat16",
+        page_size=16,
+        lengths="equal",
+    )
+    picks = serving_bench.serving_candidates(bucket, H200, 3)
+    assert picks[0] == KernelParams("serving_f16").tunables
+    assert len(picks) == 3 and len({tuple(p.items()) for p in picks}) == 3

@@ -252,6 +252,12 @@ def _check_tensor(name: str, value: Any, expected: Expected, shape: Sequence[int
         raise ServingInputError(f"{name} is not contiguous; pass {name}.contiguous()")
 
 
+def _is_fake(value: Any) -> bool:
+    """A tensor without storage (torch.compile's fake tensors): no address to compare."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(value, fake.FakeTensor)
+
+
 def check_run(q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any, expected: Expected) -> None:
     """The tensors of one run against the plan (see the module doc)."""
     e = expected
@@ -275,7 +281,11 @@ def check_run(q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any, expected: 
         )
     if out is not None:
         _check_tensor("out", out, e, (e.total_q, e.heads, e.head_dim))
-        if out.data_ptr() in (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()):
+        if not _is_fake(out) and out.data_ptr() in (
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        ):
             raise ServingInputError("out shares memory with an input; pass a separate tensor")
     if lse is not None:
         torch = _torch()

@@ -43,23 +43,28 @@ struct TileCopy {
                                                        const T* v, const RowOffset& offset,
                                                        int valid_rows, int tid) {
         if constexpr (kRegular) {
+            constexpr int kPasses = (Rows + kRowsPerPass - 1) / kRowsPerPass;
             const int row = tid / kChunksPerRow;
             const int col = (tid % kChunksPerRow) * kChunkElems;
             const uint32_t dst_k = smem_addr(smem_k + row * RowStride + col);
             const uint32_t dst_v = smem_addr(smem_v + row * RowStride + col);
+            // Every row's offset first, then the copies: the offsets' loads (a page table's
+            // row slots in shared memory) overlap instead of each waiting before its copy.
+            size_t at[kPasses];
+            bool valid[kPasses];
 #pragma unroll
-            for (int pass = 0; pass < (Rows + kRowsPerPass - 1) / kRowsPerPass; ++pass) {
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const int r = row + pass * kRowsPerPass;
+                valid[pass] = (Rows % kRowsPerPass == 0 || r < Rows) && (!CheckRows || r < valid_rows);
+                at[pass] = valid[pass] ? offset(r) + col : 0;
+            }
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
                 const int r = row + pass * kRowsPerPass;
                 if (Rows % kRowsPerPass != 0 && r >= Rows) break;
                 const uint32_t step = pass * kRowsPerPass * RowStride * static_cast<int>(sizeof(T));
-                if (!CheckRows || r < valid_rows) {
-                    const size_t at = offset(r) + col;
-                    cp_async_16(dst_k + step, k + at, 16);
-                    cp_async_16(dst_v + step, v + at, 16);
-                } else {
-                    cp_async_16(dst_k + step, k, 0);
-                    cp_async_16(dst_v + step, v, 0);
-                }
+                cp_async_16(dst_k + step, k + at[pass], valid[pass] ? 16 : 0);
+                cp_async_16(dst_v + step, v + at[pass], valid[pass] ? 16 : 0);
             }
         } else {
             for (int c = tid; c < Rows * kChunksPerRow; c += Threads) {
