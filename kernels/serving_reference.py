@@ -68,10 +68,11 @@ def _logits(
     ``[rows, heads, d]``) of a request of ``query_len`` rows against ``k`` ``[keys, kv_heads,
     d]`` (key ``keys[j]`` of the request), hidden ones -inf."""
     d = q.shape[-1]
-    group = heads // k.shape[1]
-    kv_of = np.arange(heads) // group
-    scores = np.einsum("rhd,khd->hrk", q.astype(np.float64), k[:, kv_of].astype(np.float64))
-    scores /= math.sqrt(d)
+    kv_heads = k.shape[1]
+    grouped = q.astype(np.float64).reshape(q.shape[0], kv_heads, heads // kv_heads, d)
+    # query head h = kv_head * group + g reads KV head h // group
+    scores = np.einsum("rkgd,nkd->kgrn", grouped, k.astype(np.float64))
+    scores = scores.reshape(heads, q.shape[0], k.shape[0]) / math.sqrt(d)
     if variant.softcap > 0:
         scores = variant.softcap * np.tanh(scores / variant.softcap)
     if variant.alibi_slopes is not None:
@@ -85,13 +86,15 @@ def _softmax_parts(logits: np.ndarray, v: np.ndarray, heads: int) -> tuple[np.nd
     """(unnormalised output [q_len, heads, d], row max [heads, q_len], row sum) of logits
     ``[heads, q_len, keys]`` with values ``[keys, kv_heads, d]``; rows that see nothing have
     max -inf, sum 0, output 0."""
-    group = heads // v.shape[1]
+    kv_heads = v.shape[1]
     top = logits.max(axis=-1, initial=-np.inf)
     base = np.where(np.isfinite(top), top, 0.0)
     weights = np.exp(logits - base[..., None])
     total = weights.sum(axis=-1)
-    out = np.einsum("hrk,khd->rhd", weights, v[:, np.arange(heads) // group].astype(np.float64))
-    return out, top, total
+    rows, keys = logits.shape[1:]
+    grouped = weights.reshape(kv_heads, heads // kv_heads, rows, keys)
+    out = np.einsum("kgrn,nkd->rkgd", grouped, v.astype(np.float64))
+    return out.reshape(rows, heads, v.shape[2]), top, total
 
 
 def request_attention(
@@ -157,20 +160,17 @@ def emulate_work_list(
         tokens, members = packed // group, packed % group
         head_ids = kv_head * group + members
         keys = np.arange(key_begin, key_end)
-        # This item's rows: every token of the request (masks need the row index) ...
-        every = np.arange(q_len)
-        logits = _logits(
-            q[q_start : q_start + q_len], every, q_len, k[keys], keys, kv_len, heads, variant
-        )
+        # This item's tokens (their row index in the request: the masks need it) ...
+        rows, local = np.unique(tokens, return_inverse=True)
+        logits = _logits(q[q_start + rows], rows, q_len, k[keys], keys, kv_len, heads, variant)
         rows_out, top, total = _softmax_parts(logits, v[keys], heads)
-        # ... of which it owns (token, head) pairs ``tokens, head_ids``.
-        o = rows_out[tokens, head_ids]
-        m, s = top[head_ids, tokens], total[head_ids, tokens]
+        # ... of which it owns the (token, head) pairs ``tokens, head_ids``.
+        o = rows_out[local, head_ids]
+        m, s = top[head_ids, local], total[head_ids, local]
         if partial0 == DIRECT:
-            sinks = None if variant.sinks is None else variant.sinks
-            full_o, full_lse = _finish(rows_out, top, total, sinks)
-            out[q_start + tokens, head_ids] = full_o[tokens, head_ids]
-            lse[q_start + tokens, head_ids] = full_lse[tokens, head_ids]
+            full_o, full_lse = _finish(rows_out, top, total, variant.sinks)
+            out[q_start + tokens, head_ids] = full_o[local, head_ids]
+            lse[q_start + tokens, head_ids] = full_lse[local, head_ids]
         else:
             rows = partial0 + tokens * heads + head_ids
             with np.errstate(divide="ignore", invalid="ignore"):
