@@ -157,15 +157,17 @@ def serving_candidates(problem: Any, device: Any, count: int) -> list[dict[str, 
     from tuner.planner.space import candidate_space
     from tuner.planner.tunable import plan_kernel
 
-    default = KernelParams("serving_f16")
-    chosen = [default.tunables] if plan_kernel(problem, default, device).feasible else []
+    default = plan_kernel(problem, KernelParams("serving_f16"), device)
+    chosen = [default.params.tunables] if default.feasible else []
+    keys = {default.key()} if default.feasible else set()
     ranked = sorted(
         candidate_space(problem, device).feasible, key=lambda plan: predict_time_ms(plan, device)
     )
-    for plan in ranked:
+    for plan in ranked:  # distinct launches: planner settings that decide alike are one
         if len(chosen) >= count:
             break
-        if plan.params.tunables not in chosen:
+        if plan.key() not in keys:
+            keys.add(plan.key())
             chosen.append(plan.params.tunables)
     return chosen
 

@@ -69,6 +69,15 @@ MAX_HEAD_DIM = 256
 MERGE_THREADS = 128
 #: non-matmul work per executed (row, key) pair: scaled subtract, max, sum, pack, exp2
 NON_MATMUL_FLOPS_PER_PAIR = 5
+#: registers a thread needs besides its accumulators (addresses, the item, the softmax
+#: state, fragments): fitted to ptxas on sm_90 (CUDA 13.0; within 25 of 8 reported configs)
+BASE_REGISTERS = 96
+
+
+def estimated_registers(m_tiles: int, keys_per_warp: int, head_dim: int) -> int:
+    """Registers a thread needs: the O accumulators (``m_tiles x head_dim / 2``) and the
+    scores of a warp's key slice (``m_tiles x keys_per_warp / 2``) on top of the rest."""
+    return BASE_REGISTERS + m_tiles * (head_dim // 2 + keys_per_warp // 2)
 
 
 def serving_f16_shared_bytes(
@@ -245,6 +254,12 @@ class ServingF16(KernelFamily):
             reason = f"stages={stages}: the cp.async ring needs at least 2"
         if not reason:
             reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
+        registers = estimated_registers(m_tiles, keys_per_warp, d)
+        if not reason and registers > device.max_registers_per_thread:
+            reason = (
+                f"about {registers} registers a thread ({m_tiles} m16 tiles of head_dim {d} "
+                f"and {keys_per_warp} keys): over {device.max_registers_per_thread}, it would spill"
+            )
         if not reason and block_rows > MMA_M and block_rows // 2 >= longest_rows:
             reason = (
                 f"{block_rows} packed rows a work item are more than needed for the longest "
@@ -397,8 +412,18 @@ class ServingF16(KernelFamily):
             ilp=params.m_tiles * (keys_per_warp // 8) + d // 8,
             pipelined=True,
             bytes_in_flight=(params.stages - 1) * 2 * block_n * d * p.element_bytes,
+            # __launch_bounds__(threads, ctas_per_sm) caps what the compiler may use
+            registers=min(
+                estimated_registers(params.m_tiles, keys_per_warp, d),
+                registers_cap(plan.threads, params.ctas_per_sm),
+            ),
             imbalance=max(imbalance, 1.0),
         )
+
+
+def registers_cap(threads: int, ctas_per_sm: int, registers_per_sm: int = 65536) -> int:
+    """The most registers a thread may take for ``ctas_per_sm`` blocks to be resident."""
+    return min(255, registers_per_sm // (threads * ctas_per_sm) // 8 * 8)
 
 
 FAMILY = ServingF16()
