@@ -50,6 +50,7 @@ from tuner.problem import (
     FLOAT32_PRECISIONS,
     SUPPORTED_DTYPES,
     Problem,
+    serving_error,
     shape_error,
 )
 
@@ -109,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DIRECTIONS,
         default="forward",
         help="forward (the attention) or backward (its gradients)",
+    )
+    shape.add_argument(
+        "--page-size",
+        type=_positive,
+        help="a serving bucket's KV-cache page size in tokens (default: contiguous)",
+    )
+    shape.add_argument(
+        "--lengths",
+        default="equal",
+        help="a serving bucket's length distribution: equal (default), uniform, skewed",
     )
     shape.add_argument(
         "--gpu-name",
@@ -254,6 +265,9 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         raise TunerError(f"not a problem: {reason}")
     if args.precision is not None and args.dtype != "float32":
         raise TunerError(f"--precision {args.precision} applies to --dtype float32 only")
+    reason = serving_error(args.page_size, args.lengths, args.kv_len or args.seq_len)
+    if reason:
+        raise TunerError(f"not a problem: {reason}")
     return Problem(
         args.seq_len,
         args.head_dim,
@@ -270,6 +284,8 @@ def _problem(args: argparse.Namespace, *, required: bool) -> Problem | None:
         alibi=args.alibi,
         sinks=args.sinks,
         direction=args.direction,
+        page_size=args.page_size,
+        lengths=args.lengths,
     )
 
 

@@ -121,6 +121,8 @@ def problem_identity(problem: Problem) -> dict[str, int | bool | str | float]:
         "alibi": problem.alibi,
         "sinks": problem.sinks,
         "direction": problem.direction,
+        "page_size": problem.page_size or 0,
+        "lengths": problem.lengths,
     }
 
 
@@ -206,6 +208,8 @@ class ProblemRow(Base):
             "softcap",
             "alibi",
             "sinks",
+            "page_size",
+            "lengths",
             name="uq_problems_shape",
         ),
     )
@@ -233,6 +237,11 @@ class ProblemRow(Base):
     sinks: Mapped[bool] = mapped_column(Boolean, server_default=false())
     # Added by revision 0008: "forward" or "backward" (rows from before it read "forward").
     direction: Mapped[str] = mapped_column(String(16), server_default="forward")
+    # Added by revision 0009 (serving buckets): tokens a page of a paged KV cache (0:
+    # contiguous) and the requests' length distribution; rows from before it are dense
+    # problems, 0 and "equal".
+    page_size: Mapped[int] = mapped_column(Integer, server_default="0")
+    lengths: Mapped[str] = mapped_column(String(1024), server_default="equal")
 
     @classmethod
     def find(cls, session: Session, problem: Problem) -> ProblemRow | None:
@@ -259,6 +268,8 @@ class ProblemRow(Base):
             alibi=self.alibi,
             sinks=self.sinks,
             direction=self.direction,
+            page_size=self.page_size or None,
+            lengths=self.lengths,
         )
 
 

@@ -14,10 +14,13 @@ there is nothing to judge by.
 
 Nearest shape (``best(..., nearest=True)`` with no exact match): candidates
 share head_dim, dtype, precision, causal, the group size (query heads per
-KV head) and the attention variants (window bounds, softcap, ALiBi, sinks: a
-windowed problem is never served a dense plan, nor a dense one a windowed plan)
-with the asked problem. They are ordered by
+KV head), the attention variants (window bounds, softcap, ALiBi, sinks: a
+windowed problem is never served a dense plan, nor a dense one a windowed plan) and
+the page size (a serving bucket is served by a serving bucket, a dense shape by a
+dense one) with the asked problem. They are ordered by
 
+0. the length distribution: the asked one first (a serving bucket tuned on
+   ``skewed`` lengths before one tuned on ``uniform``),
 1. |log2(seq_len / asked seq_len)|, ties to the larger seq_len (query length:
    a decode plan never stands in for a prefill one while a nearer length exists),
 2. |log2(kv_len / asked kv_len)|, ties to the larger,
@@ -68,9 +71,10 @@ def beats(
 
 def shape_distance(
     asked: Problem, candidate: Problem
-) -> tuple[float, int, float, int, float, int, int, int]:
+) -> tuple[bool, float, int, float, int, float, int, int, int]:
     """Sort key of a candidate shape; smaller is nearer. See the module doc."""
     return (
+        candidate.lengths != asked.lengths,
         abs(math.log2(candidate.seq_len / asked.seq_len)),
         -candidate.seq_len,
         abs(math.log2(candidate.kv_len / asked.kv_len)),
@@ -96,4 +100,5 @@ def same_family_of_shapes(asked: Problem, candidate: Problem) -> bool:
         and candidate.softcap == asked.softcap
         and candidate.alibi == asked.alibi
         and candidate.sinks == asked.sinks
+        and candidate.page_size == asked.page_size
     )

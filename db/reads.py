@@ -64,6 +64,7 @@ SHAPE_FAMILY_TERMS = (
     "q.softcap = :softcap",
     "q.alibi = :alibi",
     "q.sinks = :sinks",
+    "q.page_size = :page_size",
 )
 EXACT_SHAPE_TERMS = (
     *SHAPE_FAMILY_TERMS,
@@ -72,6 +73,7 @@ EXACT_SHAPE_TERMS = (
     "q.heads = :heads",
     "q.kv_heads = :kv_heads",
     "q.kv_len = :kv_len",
+    "q.lengths = :lengths",
 )
 
 
@@ -167,6 +169,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
         "softcap": problem.softcap,
         "alibi": problem.alibi,
         "sinks": problem.sinks,
+        "page_size": problem.page_size or 0,
     }
     if exact:
         params |= {
@@ -175,6 +178,7 @@ def _problem_params(problem: Problem, *, exact: bool = True) -> dict[str, Any]:
             "heads": problem.heads,
             "kv_heads": problem.kv_heads,
             "kv_len": problem.kv_len,
+            "lengths": problem.lengths,
         }
     return params
 
@@ -280,6 +284,7 @@ def every_plan(connection: Connection) -> list[tuple[FoundPlan, bool]]:
 def every_best(connection: Connection) -> list[FoundPlan]:
     order = (
         "q.head_dim, q.dtype, q.precision, q.direction, q.causal, q.seq_len, q.batch, q.heads,"
-        " q.kv_heads, q.kv_len, q.window_left, q.window_right, q.softcap, q.alibi, q.sinks, e.id"
+        " q.kv_heads, q.kv_len, q.window_left, q.window_right, q.softcap, q.alibi, q.sinks,"
+        " q.page_size, q.lengths, e.id"
     )
     return [_found(row) for row in connection.execute(_statement((), "inner", order))]

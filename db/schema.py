@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 #: Every revision in ``db/migrations/versions``, oldest first (a test checks it).
-KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008")
+KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009")
 HEAD_REVISION = KNOWN_REVISIONS[-1]
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"

@@ -32,6 +32,8 @@
 // of every packed head: a window's splits cover only the keys it leaves.
 
 #include "fa/forward.cuh"
+#include "fa/warp_merge.cuh"
+#include "fa/warp_mma.cuh"
 #include "fa/variant_switches.cuh"
 
 // Defaults: the planner's default plan (tuner/planner/families/decode_f16.py).
@@ -111,14 +113,6 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
     fa::cp_async_commit();
     ring.prefetch(tiles.count, k_h, v_h, tiles.begin, tiles.end, tid);
 
-    // Per-lane ldmatrix row/column offsets (the PTX ISA's fragment layouts).
-    const int a_row = lane % 16;
-    const int a_col = (lane / 16) * 8;
-    const int b_row = (lane / 16) * 8 + (lane % 8);
-    const int b_col = ((lane / 8) % 2) * 8;
-    const int v_row = ((lane / 8) % 2) * 8 + (lane % 8);
-    const int v_col = (lane / 16) * 8;
-
     // The query row (within its head) and the query head of each row this lane holds.
     fa::FragmentRows query_row[M_TILES];
     Traits::ScoreModType score_mod[M_TILES] = {
@@ -153,26 +147,7 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
         // ---- S = Q K^T over the warp's slice (Q's fragments re-read from shared
         // memory: registers go to the accumulators; decode is bound by DRAM anyway)
         float s_acc[M_TILES][N_TILES][4];
-        fa::fill_zero<M_TILES * N_TILES * 4>(&s_acc[0][0][0]);
-#pragma unroll
-        for (int ds = 0; ds < D_STEPS; ++ds) {
-            uint32_t a[M_TILES][4];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-                fa::ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
-                                fa::smem_addr(s_q + (mt * 16 + a_row) * ROW_STRIDE + ds * 16 + a_col));
-#pragma unroll
-            for (int np = 0; np < N_TILES / 2; ++np) {
-                uint32_t b0, b1, b2, b3;
-                fa::ldmatrix_x4(b0, b1, b2, b3,
-                                fa::smem_addr(s_k + (np * 16 + b_row) * ROW_STRIDE + ds * 16 + b_col));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    fa::mma_16816<elem_t>(s_acc[mt][2 * np], a[mt], b0, b1);
-                    fa::mma_16816<elem_t>(s_acc[mt][2 * np + 1], a[mt], b2, b3);
-                }
-            }
-        }
+        fa::warp_qk<elem_t, M_TILES, N_TILES, HEAD_DIM, ROW_STRIDE>(s_acc, s_q, s_k, lane);
 
         // ---- score modifications, mask, online softmax (fp32, log2 domain)
 #pragma unroll
@@ -183,53 +158,16 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
             for (int mt = 0; mt < M_TILES; ++mt)
                 mask.apply<N_TILES>(&s_acc[mt][0][0], key0, query_row[mt], lane);
         }
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-            float correction[2];
-            softmax[mt].update<N_TILES>(&s_acc[mt][0][0], score_mod[mt].softmax_scale(),
-                                        correction);
-            fa::rescale_rows<D_TILES>(&o_acc[mt][0][0], correction);
-        }
+        fa::update_tiles(softmax, s_acc, o_acc, score_mod[0].softmax_scale());
         // ---- O += P V, P in registers
-#pragma unroll
-        for (int ks = 0; ks < N_STEPS; ++ks) {
-            uint32_t p_frag[M_TILES][4];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-                fa::pack_a_fragment<elem_t>(&s_acc[mt][2 * ks][0], p_frag[mt]);
-#pragma unroll
-            for (int dp = 0; dp < D_TILES / 2; ++dp) {
-                uint32_t b0, b1, b2, b3;
-                fa::ldmatrix_x4_trans(
-                    b0, b1, b2, b3,
-                    fa::smem_addr(s_v + (ks * 16 + v_row) * ROW_STRIDE + dp * 16 + v_col));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    fa::mma_16816<elem_t>(o_acc[mt][2 * dp], p_frag[mt], b0, b1);
-                    fa::mma_16816<elem_t>(o_acc[mt][2 * dp + 1], p_frag[mt], b2, b3);
-                }
-            }
-        }
+        fa::warp_pv<elem_t, M_TILES, N_TILES, D_TILES, ROW_STRIDE>(o_acc, s_acc, s_v, lane);
     }
     fa::cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring: it becomes the merge scratch
 
     // ---- each warp's state to shared memory: unnormalised O, its row max and row sum
     float* mine = s_merge + warp * ROWS * MERGE_STRIDE;
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-        softmax[mt].finish();
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = mt * 16 + fa::fragment_row(lane, half);
-            float* row = mine + r * MERGE_STRIDE;
-            fa::store_fragment_row<D_TILES>(row, &o_acc[mt][0][0], half, 1.f, lane);
-            if (lane % 4 == 0) {
-                row[HEAD_DIM] = softmax[mt].max[half];
-                row[HEAD_DIM + 1] = softmax[mt].sum[half];
-            }
-        }
-    }
+    fa::stage_rows<M_TILES, D_TILES, HEAD_DIM, MERGE_STRIDE>(mine, softmax, o_acc, lane);
     __syncthreads();
 
     // ---- merge the warps: 4 output elements a thread
@@ -239,40 +177,22 @@ decode_f16_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
         const int col = (vec % VECS_PER_ROW) * 4;
         const int packed = row0 + r;
         if (packed >= packed_rows) break;  // rows only grow with vec
-        float top = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w)
-            top = fmaxf(top, s_merge[(w * ROWS + r) * MERGE_STRIDE + HEAD_DIM]);
-        const float base = top == -INFINITY ? 0.f : top;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float total = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float* row = s_merge + (w * ROWS + r) * MERGE_STRIDE;
-            const float weight = fa::fast_exp2(row[HEAD_DIM] - base);
-            const float4 o = *reinterpret_cast<const float4*>(row + col);
-            acc.x += weight * o.x;
-            acc.y += weight * o.y;
-            acc.z += weight * o.z;
-            acc.w += weight * o.w;
-            total += weight * row[HEAD_DIM + 1];
-        }
+        const fa::MergedRow merged =
+            fa::merge_row<WARPS, HEAD_DIM, MERGE_STRIDE>(s_merge, ROWS, r, col);
         // query head kv_head * group + packed / seq_len, row packed % seq_len
         const size_t head = (size_t)kv_head * group + packed / seq_len;
         if (splits == 1) {
-            const fa::RowResult result =
-                fa::row_result(top, total, Traits::sink(sinks, (int)(head % heads)));
+            const fa::RowResult result = fa::row_result(
+                merged.top, merged.total, Traits::sink(sinks, (int)(head % heads)));
             fa::store_quad<elem_t>(out + (q_row0 + packed) * HEAD_DIM + col,
-                                   make_float4(acc.x * result.inv, acc.y * result.inv,
-                                               acc.z * result.inv, acc.w * result.inv));
+                                   merged.scaled(result.inv));
             if (lse != nullptr && col == 0)
                 lse[q_row0 + packed] = fa::lse_natural(result.lse2);
         } else {
-            const fa::RowResult result = fa::partial_result(top, total);
+            const fa::RowResult result = fa::partial_result(merged.top, merged.total);
             const size_t part_row = (head * splits + split) * seq_len + packed % seq_len;
             *reinterpret_cast<float4*>(partial_o + part_row * HEAD_DIM + col) =
-                make_float4(acc.x * result.inv, acc.y * result.inv, acc.z * result.inv,
-                            acc.w * result.inv);
+                merged.scaled(result.inv);
             if (col == 0) partial_lse[part_row] = result.lse2;
         }
     }

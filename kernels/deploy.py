@@ -316,6 +316,11 @@ class Attention:
         """The plan ``problem`` runs with on GPU ``device`` (chosen now if not yet)."""
         return self.handle(problem, device).chosen
 
+    def device_runner(self, device: int = 0) -> DeviceRunner:
+        """GPU ``device``'s runner (plans, compiled and loaded kernels): what
+        ``kernels.serving`` builds its work-list launches on."""
+        return self._runner(device)
+
     def environment(self, device: int = 0) -> Environment:
         """GPU ``device``'s environment: what the registry is asked with."""
         return self._runner(device).environment

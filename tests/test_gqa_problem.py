@@ -75,6 +75,9 @@ def test_labels_study_names_and_registry_keys_of_old_problems_are_unchanged() ->
         "alibi": False,
         "sinks": False,
         "direction": "forward",  # revision 0008: every row from before it reads forward
+        # dense: what revision 0009 gives every row from before it
+        "page_size": 0,
+        "lengths": "equal",
     }
 
 

@@ -83,6 +83,12 @@ def test_signatures_are_found_for_every_entry_function() -> None:
     merge = [np.uintp] * 3 + [np.int32] * 4 + [np.uintp] * 2
     for name in ("split_merge", "mma_f16_split_merge", "decode_f16_split_merge"):
         assert signatures[name] == merge
+    # serving_f16: q, caches, out, scratch, work list, pages; its offsets, kv_heads, page_size
+    serving = [np.uintp] * 8 + [np.int32] * 5 + [np.float32]
+    assert signatures["serving_f16_attention"] == serving + variant
+    assert signatures["serving_f16_split_merge"] == [np.uintp] * 4 + [np.int32] * 2 + [
+        np.uintp
+    ] * 2
 
 
 def contract_args(launch: KernelLaunch) -> tuple:

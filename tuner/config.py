@@ -13,11 +13,13 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tuner import lengths as length_distributions
 from tuner.data_dir import default_registry_url
 from tuner.device import DeviceProfile
 from tuner.errors import ConfigError
@@ -26,7 +28,13 @@ from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_names, registered
 from tuner.planner.fixed_width import U32_MAX
 from tuner.planner.space import CandidateSpace, SpaceAxes, candidate_space
-from tuner.problem import DIRECTIONS, FLOAT32_PRECISIONS, SUPPORTED_DTYPES, Problem
+from tuner.problem import (
+    DIRECTIONS,
+    FLOAT32_PRECISIONS,
+    MAX_PAGE_SIZE,
+    SUPPORTED_DTYPES,
+    Problem,
+)
 
 
 @dataclass
@@ -182,6 +190,12 @@ class TunerConfig:
     sinks: Any = False
     #: "forward" (the attention) or "backward" (its gradients dQ, dK, dV: training)
     direction: Any = "forward"
+    #: a serving bucket's paged KV cache: tokens a page (1..256); null: contiguous
+    page_size: Any = None
+    #: a serving bucket's KV lengths over its `batch` requests, up to kv_len: equal (all at
+    #: kv_len), uniform, skewed (one at kv_len, the rest at kv_len/32), or file:PATH (observed
+    #: lengths, whitespace-separated)
+    lengths: Any = "equal"
     #: "tune" (search, measure, store) or "plan" (print the candidate space; no GPU)
     mode: str = "tune"
     #: rows of the plan-mode table, best predicted first; 0 prints every feasible candidate
@@ -360,7 +374,7 @@ def _window_bound() -> Rule:
 _SHAPE_KEYS = (
     "seq_len", "head_dim", "batch", "heads", "causal", "dtype", "kv_heads", "kv_len", "precision",
     "window_left", "window_right", "softcap", "alibi", "sinks",
-    "direction",
+    "direction", "page_size", "lengths",
 )
 #: the mandatory shape keys a model run leaves unset
 _MODEL_FREE_KEYS = {"seq_len", "head_dim"}
@@ -397,6 +411,12 @@ RULES: dict[str, Rule] = {
     "alibi": _BOOL,
     "sinks": _BOOL,
     "direction": _one_of(DIRECTIONS),
+    "page_size": _optional_int_in(1, MAX_PAGE_SIZE, "null (contiguous)"),
+    "lengths": Rule(
+        f"one of {', '.join(length_distributions.NAMED)} or file:PATH (a file of lengths)",
+        lambda v: isinstance(v, str)
+        and (v in length_distributions.NAMED or (v.startswith("file:") and len(v) > 5)),
+    ),
     "mode": _one_of(MODES),
     "plan_rows": _int_in(0),
     "workers": _workers(),
@@ -674,6 +694,7 @@ def checked_problem(**shape: Any) -> Problem:
             f"{config.head_dim} is invalid: must be at most {U32_MAX} elements "
             "(the kernels index each tensor with 32-bit integers)"
         )
+    lengths = _distribution(config.lengths, kv_len)
     return Problem(
         seq_len=config.seq_len,
         head_dim=config.head_dim,
@@ -690,6 +711,8 @@ def checked_problem(**shape: Any) -> Problem:
         alibi=config.alibi,
         sinks=config.sinks,
         direction=config.direction,
+        page_size=config.page_size,
+        lengths=lengths,
     )
 
 
@@ -710,6 +733,33 @@ class _ShapeValues:
     alibi: Any
     sinks: Any
     direction: Any
+    page_size: Any
+    lengths: Any
+
+
+def _distribution(lengths: str, kv_len: int) -> str:
+    """``lengths`` as the problem holds it: a named distribution, or a file's lengths as an
+    empirical one (``tuner.lengths.values_from_lengths``); ``ConfigError`` names the file."""
+    if not lengths.startswith("file:"):
+        return lengths
+    path = Path(lengths[len("file:") :]).expanduser()
+    try:
+        observed = [int(word) for word in path.read_text().split()]
+        values = length_distributions.values_from_lengths(observed)
+    except OSError as error:
+        raise ConfigError(f"lengths={lengths} is invalid: {error.strerror or error}") from error
+    except ValueError as error:
+        raise ConfigError(
+            f"lengths={lengths} is invalid: the file must hold positive integer lengths "
+            f"separated by whitespace ({error})"
+        ) from error
+    if length_distributions.values_of(values)[-1] > kv_len:
+        raise ConfigError(
+            f"lengths={lengths} is invalid: it holds lengths up to "
+            f"{length_distributions.values_of(values)[-1]}, more than kv_len={kv_len} (the "
+            "bucket's longest request)"
+        )
+    return values
 
 
 def device_profile_from(device_config: DeviceConfig) -> DeviceProfile:

@@ -7,7 +7,8 @@ steer its sampler (``tuner.model_sampler``); without a GPU it is the
 prediction. ``rank_correlation`` against real timings says how far to trust it;
 ``tuner.calibration`` fits its constants (``CostParams``) to recorded grids.
 
-A plan's time is its attention kernel, the split merge (a second, streaming
+A plan's time is its attention kernel (times its ``CostTerms.imbalance``: a persistent
+grid ends with its busiest block), the split merge (a second, streaming
 launch: partials read and output written at DRAM bandwidth) and
 ``LAUNCH_OVERHEAD_MS`` per launch. The kernel has two sides, each the time of
 the busiest part of the device, combined by a p-norm (``overlap`` for kernels
@@ -197,6 +198,7 @@ FEATURES = (
     "ilp",
     "bytes_in_flight",  # per block
     "pipelined",  # 1: loads overlap the math (CostTerms.pipelined)
+    "imbalance",  # the busiest block's work over the mean (CostTerms.imbalance)
 )
 
 
@@ -231,6 +233,7 @@ def plan_features(plan: KernelPlan, device: DeviceProfile) -> tuple[float, ...]:
         float(terms.ilp),
         float(terms.bytes_in_flight),
         float(terms.pipelined),
+        float(terms.imbalance),
     )
 
 
@@ -306,6 +309,7 @@ def model_times(
         p = np.where(f["pipelined"] > 0, params.overlap, params.overlap_synchronous)
         scale = np.maximum(memory, sm_side)
         kernel = scale * ((memory / scale) ** p + (sm_side / scale) ** p) ** (1 / p)
+        kernel = kernel * f["imbalance"]  # the busiest block of a persistent grid ends last
         kernel = np.where(f["resident"] > 0, kernel, np.inf)
         merge = f["merge_bytes"] / dram_rate
         launch = f["launches"] * LAUNCH_OVERHEAD_MS * 1e-3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tuner import lengths as length_distributions
+
 #: element types of q, k, v and out; the half types are 2-byte elements
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -22,6 +24,8 @@ DIRECTIONS = ("forward", "backward")
 #: S = Q K^T and computes dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K (2.5x the
 #: forward's flops, as FlashAttention counts them)
 MATMULS_PER_PAIR = {"forward": 2, "backward": 5}
+#: page sizes of a paged KV cache (tokens per page) a serving problem may have
+MAX_PAGE_SIZE = 256
 
 
 def visible_keys_total(seq_len: int, kv_len: int, lowest: int | None, highest: int | None) -> int:
@@ -64,6 +68,20 @@ def variant_error(window_left: int, window_right: int, softcap: float) -> str:
     if not math.isfinite(softcap) or softcap < 0:
         return f"softcap={softcap!r} must be a finite number >= 0 (0: no cap)"
     return ""
+
+
+def serving_error(page_size: object, lengths: object, kv_len: int | None) -> str:
+    """Why a page size or length distribution cannot make a problem ("" when they can)."""
+    if page_size is not None and (
+        isinstance(page_size, bool)
+        or not isinstance(page_size, int)
+        or not 0 <= page_size <= MAX_PAGE_SIZE
+    ):
+        return (
+            f"page_size={page_size!r} must be an integer in 1..{MAX_PAGE_SIZE} "
+            "(tokens per page), or None (0) for a contiguous KV layout"
+        )
+    return length_distributions.distribution_error(lengths, kv_len)
 
 
 def shape_error(
@@ -129,6 +147,19 @@ class Problem:
     the forward's output and its log-sum-exp); forward and backward plans are tuned and
     stored apart. Only backward problems say so in their label and names, so every forward
     problem keeps the ones it had.
+
+    Serving batches (``kernels.serving``), both off by default:
+
+    * ``page_size``: K and V live in a paged cache of pages of this many tokens (1 to
+      ``MAX_PAGE_SIZE``; ``None``, or 0, for a contiguous layout);
+    * ``lengths``: the requests' KV lengths are drawn from this distribution up to ``kv_len``
+      (``tuner.lengths``: ``equal``, ``uniform``, ``skewed`` or ``values:...``), each request
+      with ``min(seq_len, its length)`` query rows. ``batch`` counts requests.
+
+    A problem with either is a *serving* problem: q and out are ragged ``[total_q, heads,
+    head_dim]``, the work is that of the seeded sample of the distribution
+    (``request_lengths``), and only the work-list family (``serving_f16``) runs it. Labels,
+    study names and registry keys show them only when set, so dense problems keep theirs.
     """
 
     seq_len: int
@@ -146,11 +177,16 @@ class Problem:
     alibi: bool = False
     sinks: bool = False
     direction: str = "forward"
+    page_size: int | None = None
+    lengths: str = length_distributions.EQUAL
 
     def __post_init__(self) -> None:
-        reason = shape_error(
-            self.seq_len, self.heads, self.causal, self.kv_heads, self.kv_len
-        ) or variant_error(self.window_left, self.window_right, self.softcap)
+        kv_len = self.seq_len if self.kv_len is None else self.kv_len
+        reason = (
+            shape_error(self.seq_len, self.heads, self.causal, self.kv_heads, self.kv_len)
+            or variant_error(self.window_left, self.window_right, self.softcap)
+            or serving_error(self.page_size, self.lengths, kv_len)
+        )
         if reason:
             raise ValueError(reason)
         if self.direction not in DIRECTIONS:
@@ -159,6 +195,8 @@ class Problem:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.kv_len is None:
             object.__setattr__(self, "kv_len", self.seq_len)
+        if self.page_size == 0:  # the registry's spelling of "contiguous"
+            object.__setattr__(self, "page_size", None)
         object.__setattr__(self, "softcap", float(self.softcap))
         object.__setattr__(self, "alibi", bool(self.alibi))
         object.__setattr__(self, "sinks", bool(self.sinks))
@@ -237,12 +275,50 @@ class Problem:
         return low, high
 
     @property
+    def serving(self) -> bool:
+        """Whether this is a serving batch (a paged cache, or unequal request lengths)."""
+        return self.page_size is not None or self.lengths != length_distributions.EQUAL
+
+    def request_lengths(self) -> length_distributions.RequestLengths:
+        """Query rows and KV length of each request: the seeded sample of ``lengths``
+        (all ``seq_len`` and ``kv_len`` for ``equal``)."""
+        return length_distributions.request_lengths(
+            self.lengths, self.batch, self.seq_len, self.kv_len
+        )
+
+    def request_offsets(self, query_len: int, kv_len: int) -> tuple[int | None, int | None]:
+        """``visible_offsets`` of one request of a serving batch."""
+        off = kv_len - query_len
+        low = None if self.window_left == UNBOUNDED else off - self.window_left
+        if self.causal:
+            high: int | None = off
+        elif self.window_right != UNBOUNDED:
+            high = off + self.window_right
+        else:
+            high = None
+        return low, high
+
+    @property
+    def attended_pairs_total(self) -> int:
+        """(query, key) pairs that contribute per query head, summed over the requests."""
+        if not self.serving:
+            return self.batch * self.attended_pairs
+        sample = self.request_lengths()
+        return sum(
+            visible_keys_total(int(n), int(m), *self.request_offsets(int(n), int(m)))
+            for n, m in zip(sample.query, sample.kv, strict=True)
+        )
+
+    @property
     def attended_pairs(self) -> int:
-        """(query, key) pairs that contribute, per (batch, query head).
+        """(query, key) pairs that contribute, per (batch, query head) (a serving batch: the
+        mean over its requests, rounded down).
 
         Causal keeps ``k <= r + kv_len - seq_len`` (bottom-right): row ``r`` sees
         ``r + 1 + kv_len - seq_len`` keys; a window keeps its band of those.
         """
+        if self.serving:
+            return self.attended_pairs_total // self.batch
         n, m = self.seq_len, self.kv_len
         if not self.windowed:
             return n * (m - n) + n * (n + 1) // 2 if self.causal else n * m
@@ -261,17 +337,32 @@ class Problem:
         This is the figure TFLOP/s is quoted against, whatever a kernel actually executes.
         """
         products = MATMULS_PER_PAIR[self.direction]
-        return 2 * products * self.batch_heads * self.attended_pairs * self.head_dim
+        return 2 * products * self.heads * self.attended_pairs_total * self.head_dim
+
+    @property
+    def query_rows_total(self) -> int:
+        """Query rows of one head over the batch (``batch * seq_len`` unless serving)."""
+        if not self.serving:
+            return self.batch * self.seq_len
+        return int(self.request_lengths().query.sum())
+
+    @property
+    def kv_rows_total(self) -> int:
+        """KV rows of one KV head over the batch (``batch * kv_len`` unless serving)."""
+        if not self.serving:
+            return self.batch * self.kv_len
+        return int(self.request_lengths().kv.sum())
 
     @property
     def tensor_bytes(self) -> int:
         """Bytes of q or of out."""
-        return self.batch_heads * self.seq_len * self.head_dim * self.element_bytes
+        return self.query_rows_total * self.heads * self.head_dim * self.element_bytes
 
     @property
     def kv_tensor_bytes(self) -> int:
-        """Bytes of k or of v: ``kv_heads`` heads of ``kv_len`` rows."""
-        return self.batch_kv_heads * self.kv_len * self.head_dim * self.element_bytes
+        """Bytes of k or of v: ``kv_heads`` heads of ``kv_len`` rows (a serving batch: of its
+        requests' actual lengths; a paged cache's unused page slots are not read)."""
+        return self.kv_rows_total * self.kv_heads * self.head_dim * self.element_bytes
 
     def shape_text(self, heads_separator: str = "/", rows_separator: str = ":") -> str:
         """``BxHxNxD``; with GQA the heads read ``H/KVH``, with a KV length the rows ``N:KVLEN``
@@ -307,12 +398,20 @@ class Problem:
             parts.append("sinks")
         return separator.join(parts)
 
+    def serving_text(self, separator: str = " ") -> str:
+        """``page=16 lengths=uniform``: what is set of the serving fields ("" for none)."""
+        parts = []
+        if self.page_size is not None:
+            parts.append(f"page={self.page_size}")
+        if self.lengths != length_distributions.EQUAL:
+            parts.append(f"lengths={length_distributions.short_name(self.lengths)}")
+        return separator.join(parts)
+
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        variants = self.variant_text()
+        extra = " ".join(part for part in (self.variant_text(), self.serving_text()) if part)
         label = f"{self.shape_text()} {self.dtype_label} {mask}"
-        if variants:
-            label += f" {variants}"
+        label = f"{label} {extra}" if extra else label
         return f"{label} backward" if self.backward else label
 
     @property

@@ -41,12 +41,13 @@ def study_name(
     *,
     sampler: str = "tpe",
 ) -> str:
-    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>[-<variants>]@<gpu>-<digest>-<sampler>[-<variant>]``.
+    """``<batch>x<heads>x<seq_len>x<head_dim>-<dtype>[-tf32]-<mask>[-backward][-page<n>][-<lengths>][-<variants>]@<gpu>-<digest>-<sampler>[-<variant>]``.
 
     With GQA the heads read ``<heads>kv<kv_heads>``, with a KV length the rows
-    ``<seq_len>kv<kv_len>``, a backward problem's mask ``<mask>-backward``. The attention
-    variants follow the mask (``variant_suffix``: ``-w4096-cap50-alibi-sinks``); a forward
-    problem without them keeps the name it always had.
+    ``<seq_len>kv<kv_len>``, a backward problem's mask ``<mask>-backward``; a serving bucket
+    adds its page size and length distribution; the attention variants follow
+    (``variant_suffix``: ``-w4096-cap50-alibi-sinks``). A plain forward problem keeps the name
+    it always had.
 
     ``variant`` keeps studies of the same identity apart (``replay``: timings
     served from a recording must not continue the GPU study they came from).
@@ -61,6 +62,8 @@ def study_name(
     if problem.backward:  # forward studies keep the names they had
         mask += "-backward"
     shape = problem.shape_text(heads_separator="kv", rows_separator="kv")
+    serving = problem.serving_text(separator="-").replace("page=", "page").replace("lengths=", "")
+    mask = f"{mask}-{serving}" if serving else mask
     name = f"{shape}-{problem.dtype_label}-{mask}{variant_suffix(problem)}@{gpu}-{digest}-{sampler}"
     return f"{name}-{variant}" if variant else name
 

@@ -136,7 +136,7 @@ class DeviceRunner:
     def _resolve(self, problem: Problem) -> AttentionHandle:
         chosen = self.chooser.plan_for(problem)
         launches = launch_sequence(chosen.plan, BUFFER_MARKERS)
-        functions = self._load(chosen.plan, launches)
+        functions = self.load(chosen.plan, launches)
         return AttentionHandle(
             problem,
             self.index,
@@ -147,15 +147,22 @@ class DeviceRunner:
             self.context,
         )
 
-    def _load(self, plan: KernelPlan, launches: tuple[KernelLaunch, ...]) -> dict[str, int]:
-        """The plan's kernels loaded in the primary context (once per variant), their shared
-        memory opt-in set; entry name -> CUfunction."""
+    def checked(self, plan: KernelPlan) -> KernelPlan:
+        """``plan`` compiled (or found in the cache) and judged with the compiler's report;
+        ``BackendError`` when it cannot run here."""
+        checked = self._check(plan)
+        if isinstance(checked, str):
+            raise BackendError(f"{plan.key()} for {plan.problem.label()}: {checked}")
+        return checked
+
+    def load(self, plan: KernelPlan, launches: Sequence[KernelLaunch]) -> dict[str, int]:
+        """The plan's kernels loaded once in this GPU's primary context (once per variant),
+        with the dynamic shared memory of ``launches`` opted in: entry name -> CUfunction
+        (what the forward, backward and serving handles launch)."""
         key = build.KernelSpec.from_plan(plan).key
         compiled = self._compiled.get(key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
-            checked = self._check(plan)
-            if isinstance(checked, str):
-                raise BackendError(f"{plan.key()} for {plan.problem.label()}: {checked}")
+            self.checked(plan)
             compiled = self._compiled[key]
         with self.backend.active():  # modules and attributes belong to the primary context
             loaded = self._modules.get(key)
@@ -209,7 +216,7 @@ class DeviceRunner:
         """A handle of the given backward plan (compiled and loaded now; not cached): what
         ``backward_handle`` resolves to, and what a benchmark times plan by plan."""
         launches = launch_sequence(chosen.plan, BACKWARD_MARKERS)  # type: ignore[arg-type]
-        functions = self._load(chosen.plan, launches)
+        functions = self.load(chosen.plan, launches)
         family = chosen.plan.kernel_family
         return BackwardHandle(
             chosen.plan.problem,

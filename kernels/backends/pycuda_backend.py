@@ -51,6 +51,7 @@ from kernels.launch import (
     launch_sequence,
 )
 from kernels.parity import CpuReference, ParityResult, compare, full_check
+from kernels.serving_inputs import ServingCheck
 from kernels.timing import TimingStats, throughput, time_repetitions
 from tuner.device import H200, PROFILES, DeviceProfile
 from tuner.environment import Environment
@@ -101,7 +102,7 @@ class _ProblemState:
     k: Any
     v: Any
     out: Any
-    reference: CpuReference
+    reference: CpuReference | ServingCheck
     #: the pass limit on max|out - ref| (``kernels.precision``: FlashAttention's rule
     #: against torch for half types and float32 tf32x3, against TF32 rounding for tf32)
     tolerance: float
@@ -118,6 +119,9 @@ class _ProblemState:
     sinks: Any = None
     #: float32 ``[batch*heads*seq_len]`` for the log-sum-exp, made when first asked for
     lse: Any = None
+    #: a serving batch's page lists (paged KV cache) and the last plan's work list
+    pages: Any = None
+    work: Any = None
 
 
 def _has_tensor_maps(launches: tuple[KernelLaunch, ...]) -> bool:
@@ -502,6 +506,9 @@ class PyCudaBackend(Backend):
         if self._state is not None and self._state.problem == problem:
             return self._state
         self._state = self._backward_state = None  # free the previous problem's buffers first
+        if problem.serving:
+            self._state = self._serving_state(drv, problem)
+            return self._state
         # Seeded per problem: reruns see the same inputs, other problems other ones.
         identity = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
         if not problem.self_attention:  # self-attention problems keep the inputs they had
@@ -534,6 +541,46 @@ class PyCudaBackend(Backend):
         )
         return self._state
 
+    def _serving_state(self, drv: Any, problem: Problem) -> _ProblemState:
+        """A serving batch: the problem's sample of lengths, ragged q, a paged (pages in a
+        random order) or ragged KV cache with NaN wherever no request reads, and the float64
+        reference of every request gathered densely (``kernels.serving_inputs``)."""
+        from kernels.serving_inputs import build_inputs
+        from kernels.serving_reference import Variant
+        from tuner.planner.work_list import problem_batch
+
+        if problem.alibi or problem.sinks:
+            # The per-request float64 reference knows the mask and the softcap, not the
+            # per-head ALiBi slopes or sinks: such a bucket cannot be judged here (yet).
+            raise BackendError(
+                f"{problem.label()}: serving buckets with ALiBi or sinks are not measured yet "
+                "(kernels.serving_reference has no slopes or sinks)"
+            )
+        identity = (problem.batch, problem.heads, problem.kv_heads, problem.seq_len)
+        identity += (problem.kv_len, problem.head_dim, problem.page_size or 0)
+        rng = np.random.default_rng([self.seed, *identity, int(problem.causal)])
+        inputs = build_inputs(
+            problem_batch(problem), problem.head_dim, problem.dtype, problem.page_size, rng
+        )
+        variant = Variant(
+            problem.causal, problem.window_left, problem.window_right, problem.softcap
+        )
+        check = ServingCheck(inputs, variant, seed=self.seed)
+        stored = (inputs.q_stored, inputs.k_stored, inputs.v_stored)
+        try:
+            q, k, v = (drv.to_device(array) for array in stored)
+            out = drv.mem_alloc(max(inputs.q_stored.nbytes, 1))
+            pages = None if inputs.pages is None else drv.to_device(inputs.pages)
+        except drv.MemoryError as error:
+            raise BackendError(
+                f"{problem.label()} does not fit in device memory: {error}"
+            ) from error
+        state = _ProblemState(
+            problem, inputs.q, inputs.k, inputs.v, q, k, v, out, check, check.tolerance, stored
+        )
+        state.pages = pages
+        return state
+
     def _buffers(
         self, drv: Any, state: _ProblemState, plan: KernelPlan, lse: bool = False
     ) -> DeviceBuffers:
@@ -555,6 +602,15 @@ class PyCudaBackend(Backend):
                 ) from error
             state.partial_capacity = needed
         with_partials = needed.partial_o > 0
+        work = plan.kernel_family.work_buffer(plan)
+        if work is not None:
+            state.work = None  # the previous plan's
+            try:
+                state.work = drv.to_device(work)
+            except drv.MemoryError as error:
+                raise _LaunchRefused(
+                    f"the work list does not fit in device memory: {error}"
+                ) from error
         return DeviceBuffers(
             q=int(state.q),
             k=int(state.k),
@@ -565,6 +621,8 @@ class PyCudaBackend(Backend):
             alibi_slopes=0 if state.alibi_slopes is None else int(state.alibi_slopes),
             sinks=0 if state.sinks is None else int(state.sinks),
             lse=int(state.lse) if lse else 0,
+            work=int(state.work) if work is not None else 0,
+            pages=int(state.pages) if state.pages is not None else 0,
         )
 
     def functions(self, drv: Any, compiled: build.CompiledKernel) -> dict[str, Any]:

@@ -99,9 +99,11 @@ class BufferElements:
 class DeviceBuffers:
     """Device addresses of the buffers (0 for a buffer a plan or a call does not use).
 
-    ``alibi_slopes`` and ``sinks``: float32 ``[heads]`` (one per query head), 0 when the
-    problem has no ALiBi or no sinks; ``lse``: float32 ``[batch*heads*seq_len]``, each row's
-    natural-log log-sum-exp of the scaled logits (sinks included), 0 when nobody asks for it.
+    Besides q, k, v, out and the split scratch: ``alibi_slopes`` and ``sinks`` (float32,
+    one per query head) for problems with those variants, and ``lse`` (float32, one per
+    query row of every head) where the row log-sum-exps are asked for (the backward pass).
+    Serving batches add ``work`` (the int32 work list, ``tuner.planner.work_list``) and
+    ``pages`` (the int32 page lists of a paged KV cache).
     """
 
     q: int
@@ -113,6 +115,8 @@ class DeviceBuffers:
     alibi_slopes: int = 0
     sinks: int = 0
     lse: int = 0
+    work: int = 0
+    pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,10 +106,11 @@ def enumerate_params(problem: Problem, axes: SpaceAxes | None = None) -> Iterabl
     values = axes.values()
     for name in axes.family_names():
         family = family_named(name)
-        # A family that cannot take the problem's dtype or direction is no candidate at
-        # all: counting its every combination as "rejected" would drown the reasons that
-        # matter (plan_kernel still refuses it in one line if asked).
-        if family.takes(problem):
+        # A family that cannot take the problem's dtype, direction or layout (a serving
+        # batch or a dense problem) is no candidate at all: counting its every combination
+        # as "rejected" would drown the reasons that matter (plan_kernel still refuses it in
+        # one line if asked).
+        if family.takes(problem) and family.takes_layout(problem):
             yield from family.enumerate_params(problem, values)
 
 

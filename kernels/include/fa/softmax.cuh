@@ -71,6 +71,20 @@ __device__ __forceinline__ void rescale_rows(float* o, const float (&correction)
     }
 }
 
+// The online softmax of a warp's MTiles m16 tiles of scores (P replaces S) and the rescale
+// of their output rows, tile by tile.
+template <int MTiles, int NTiles, int DTiles>
+__device__ __forceinline__ void update_tiles(SoftmaxRows (&softmax)[MTiles],
+                                             float (&s)[MTiles][NTiles][4],
+                                             float (&o)[MTiles][DTiles][4], float scale) {
+#pragma unroll
+    for (int mt = 0; mt < MTiles; ++mt) {
+        float correction[2];
+        softmax[mt].template update<NTiles>(&s[mt][0][0], scale, correction);
+        rescale_rows<DTiles>(&o[mt][0][0], correction);
+    }
+}
+
 // A finished row: output = accumulator * inv; lse2 its log2-sum-exp (-inf: no weight at all).
 struct RowResult {
     float inv;

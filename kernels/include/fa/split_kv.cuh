@@ -41,16 +41,25 @@ struct KeyTiles {
     int count;
 };
 
+// The tiles of a key range [range_begin, range_end) (a split, or a work item's keys) that rows
+// [row_first, row_last] see: tile-aligned from range_begin, ending at the last visible key.
 template <int BlockN, class MaskT>
-__device__ __forceinline__ KeyTiles key_tiles(const MaskT& mask, int split, int keys_per_split,
-                                              int row_first, int row_last) {
-    const int split_begin = mask.split_base() + split * keys_per_split;
-    const int end = min(min(mask.kv_len, split_begin + keys_per_split), mask.end_key(row_last));
-    int begin = split_begin;
+__device__ __forceinline__ KeyTiles key_tiles_in(const MaskT& mask, int range_begin,
+                                                 int range_end, int row_first, int row_last) {
+    const int end = min(min(mask.kv_len, range_end), mask.end_key(row_last));
+    int begin = range_begin;
     const int first = mask.first_key(row_first);
     if (first > begin) begin += (first - begin) / BlockN * BlockN;  // whole tiles skipped
     const int count = end > begin ? (end - begin + BlockN - 1) / BlockN : 0;
     return {begin, end, count};
+}
+
+template <int BlockN, class MaskT>
+__device__ __forceinline__ KeyTiles key_tiles(const MaskT& mask, int split, int keys_per_split,
+                                              int row_first, int row_last) {
+    const int split_begin = mask.split_base() + split * keys_per_split;
+    return key_tiles_in<BlockN>(mask, split_begin, split_begin + keys_per_split, row_first,
+                                row_last);
 }
 
 // A prefill block's place in the contract: its (batch, head) and KV head, its rows, its split

@@ -87,6 +87,8 @@ class CostTerms:
     ``registers``: an estimate of the registers a thread takes (what ``ptxas``
     would report), for occupancy where the compiler's report is not at hand (a
     replay, the model backend); 0: no estimate (shared memory and threads alone).
+    ``imbalance``: the busiest block's work over the mean block's (>= 1; a persistent
+    grid whose blocks carry unequal shares of a work list), which the kernel's time scales by.
     """
 
     matmul_pipe: MatmulPipe
@@ -100,6 +102,7 @@ class CostTerms:
     pipelined: bool = False
     registers: int = 0
     matmuls_per_pair: int = 2
+    imbalance: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,10 @@ class KernelFamily(ABC):
     #: what the kernel computes: "forward" (the attention) or "backward" (its gradients);
     #: a family plans only problems of its direction (``tuner.problem.DIRECTIONS``)
     direction: ClassVar[str] = "forward"
+    #: whether the kernel runs serving batches (``Problem.serving``: a paged KV cache or
+    #: ragged lengths, ``[total_q, heads, head_dim]`` queries) instead of dense problems;
+    #: a family runs one kind only
+    serving: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ candidates
 
@@ -205,9 +212,20 @@ class KernelFamily(ABC):
                 f"{self.name} computes the {self.direction} pass, not the {problem.direction} pass"
             )
         return ""
+    def takes_layout(self, problem: Problem) -> bool:
+        """Whether the problem's layout (serving batch or dense) is this family's."""
+        return problem.serving == self.serving
 
     def variant_verdict(self, problem: Problem) -> str:
-        """Why this family cannot run the problem's attention variant ("" when it can)."""
+        """Why this family cannot run the problem's layout or attention variant ("" when
+        it can)."""
+        if not self.takes_layout(problem):
+            if problem.serving:
+                return (
+                    f"{problem.serving_text()} is a serving batch: the work-list family "
+                    f"runs it, not {self.name}"
+                )
+            return f"{self.name} runs serving batches (page_size, lengths), not dense problems"
         if problem.has_variant and not self.takes_variants:
             return (
                 f"{self.name} takes no attention variants ({problem.variant_text()}); the "
@@ -230,6 +248,11 @@ class KernelFamily(ABC):
     @abstractmethod
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
         """The launches of one run of the plan, in order, with their arguments."""
+
+    def work_buffer(self, plan: KernelPlan) -> np.ndarray | None:
+        """The int32 work list a serving family's launches read from ``buffers.work`` (the
+        plan's, on its problem's sample), or None for a family without one."""
+        return None
 
     # ------------------------------------------------------------------ models
 
