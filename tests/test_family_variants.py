@@ -13,6 +13,8 @@ them (``KernelFamily.takes_variants``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from variant_family import toy_variants_only
@@ -34,10 +36,14 @@ VARIANTS = {
 }
 
 
-def variant_problem(dtype: str, variant: str, direction: str = "forward") -> Problem:
-    # 16 query rows against 128 keys: a shape every family plans (decode_f16 included)
+def variant_problem(
+    dtype: str, variant: str, direction: str = "forward", serving: bool = False
+) -> Problem:
+    # 16 query rows against 128 keys: a shape every family plans (decode_f16 included); a
+    # serving family's as a paged bucket
     return Problem(16, 64, batch=2, heads=4, kv_heads=2, kv_len=128, dtype=dtype,
-                   direction=direction, **VARIANTS[variant])
+                   direction=direction, page_size=16 if serving else None,
+                   **VARIANTS[variant])
 
 
 def carries(variant: str, args: tuple, markers=BUFFER_MARKERS) -> bool:  # noqa: ANN001
@@ -71,7 +77,7 @@ def test_a_family_on_the_variant_abi_passes_the_check(variant: str) -> None:
 
 def check_family(family: str, variant: str) -> None:
     (taker,) = [f for f in registered() if f.name == family]
-    problem = variant_problem(taker.dtypes[0], variant, taker.direction)
+    problem = variant_problem(taker.dtypes[0], variant, taker.direction, taker.serving)
     assert problem.has_variant
     space = candidate_space(problem, H200)
     feasible = [plan for plan in space.feasible if plan.family == family]
@@ -81,6 +87,8 @@ def check_family(family: str, variant: str) -> None:
         return
     # A backward family's launches take the backward buffers (q, k, v, out, dout, lse, ...).
     markers = BACKWARD_MARKERS if taker.direction == "backward" else BUFFER_MARKERS
+    if taker.serving:  # the work list and the page lists too
+        markers = dataclasses.replace(markers, work=0xABC0 << 40, pages=0xABC1 << 40)
     for plan in feasible[:8]:
         launches = launch_sequence(plan, markers)
         assert any(carries(variant, launch.args, markers) for launch in launches), (
