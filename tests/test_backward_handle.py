@@ -40,7 +40,9 @@ def test_a_call_launches_the_familys_launches_on_its_buffers() -> None:
     family = plan.kernel_family
     launches = launch_sequence(plan, BACKWARD_MARKERS)  # type: ignore[arg-type]
     functions = {launch.function: 100 + i for i, launch in enumerate(launches)}
-    templates = attention_handle.launch_templates(launches, functions, backward_marker_roles())
+    templates = attention_handle.launch_templates(
+        launches, functions, markers=backward_marker_roles()
+    )
     roles = {a for t in templates for a in t.arguments if isinstance(a, str)}
     assert roles == set(BACKWARD_ROLES) - {"sinks", "d_sinks"}  # no sinks: no sink launch
     driver = Recording()
@@ -62,7 +64,9 @@ def test_unused_scratch_is_a_null_pointer() -> None:
     plan = backward_plan(deterministic=0, group_split=1)
     launches = launch_sequence(plan, BACKWARD_MARKERS)  # type: ignore[arg-type]
     functions = {launch.function: 1 for launch in launches}
-    templates = attention_handle.launch_templates(launches, functions, backward_marker_roles())
+    templates = attention_handle.launch_templates(
+        launches, functions, markers=backward_marker_roles()
+    )
     roles = {a for t in templates for a in t.arguments if isinstance(a, str)}
     assert "counters" not in roles and "dkv_partial" not in roles
     scratch = plan.kernel_family.backward_scratch(plan)
