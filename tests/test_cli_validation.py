@@ -242,6 +242,11 @@ def test_user_s_hydra_full_error_brings_tracebacks_back(
         (["foo=1"], "foo=1 is invalid: no such key; allowed: seq_len, head_dim,"),
         (["search.n_trials=1.5"], "search.n_trials=1.5 is invalid: must be an integer >= 1"),
         (["backend.flush_l2=maybe"], "backend.flush_l2=maybe is invalid: must be true or false"),
+        (["search.stop=maybe"], "search.stop=maybe is invalid: must be true or false"),
+        (
+            ["search.stop_probability=x"],
+            "search.stop_probability=x is invalid: must be a number > 0 and < 1",
+        ),
         (
             ["serach.n_trials=5"],
             "serach.n_trials=5 is invalid: no such key (did you mean search.n_trials?); allowed:",

@@ -52,7 +52,13 @@ from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
 from tuner.run_log import to_log_file
-from tuner.search import encoding_for, run_search, study_trials
+from tuner.search import (
+    encoding_for,
+    rule_off_reason,
+    run_search,
+    stopping_rule,
+    study_trials,
+)
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
@@ -124,6 +130,8 @@ def run(
                 f"search.n_trials={config.search.n_trials}; search.study_name=<new name> "
                 "starts another)"
             )
+        if config.search.stop and stopping_rule(config.search) is None:
+            say(f"search.stop: off ({rule_off_reason(config.search)})")
         space = StudySpace(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
         )

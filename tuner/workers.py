@@ -469,7 +469,7 @@ def search_with_workers(
     on_start: Callable[[int, int], None] | None = None,
 ) -> tuple[SearchResult, WorkersOutcome | None]:
     """Prepare the study once, run the workers on it, and read the whole study back."""
-    from tuner.search import prepare_study, study_trials
+    from tuner.search import prepare_study, study_stopped_by_rule, study_trials
 
     result, counted = prepare_study(
         job.space,
@@ -490,6 +490,11 @@ def search_with_workers(
     n_trials = job.settings.n_trials
     if outcome is not None and result.counted >= n_trials:
         result.stop_reason = f"n_trials={n_trials} reached"
+    stopped = study_stopped_by_rule(storage, job.study_name, job.settings)
+    if outcome is not None and stopped is not None:
+        # Whichever worker's trial made the rule fire, the study holds its verdict.
+        result.stopped_by_rule = stopped
+        result.stop_reason = str(stopped.get("reason"))
     if result.interrupted:
         result.stop_reason = "interrupted (Ctrl-C)"
     return result, outcome
