@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,11 +46,12 @@ from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError, ConfigError
 from tuner.isolation import IsolatedBackend
+from tuner.phases import PhaseClock
 from tuner.planner.errors import PlanError
 from tuner.planner.families import family_named
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
-from tuner.precompile import precompile
+from tuner.precompile import CompileAhead, precompile
 from tuner.problem import Problem
 from tuner.run_log import to_log_file
 from tuner.search import (
@@ -76,10 +78,18 @@ _STATUS_WORDS = {
 
 
 def run(
-    validated: ValidatedConfig, *, output_dir: str | Path | None = None, out: TextIO | None = None
+    validated: ValidatedConfig,
+    *,
+    output_dir: str | Path | None = None,
+    out: TextIO | None = None,
+    clock: PhaseClock | None = None,
 ) -> int:
-    """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored)."""
+    """Tune ``validated.problem``; 0 when done, 130 when interrupted (best so far stored).
+
+    ``clock``: where the wall time goes, one line at the end (``tuner.phases``).
+    """
     out = out or sys.stdout
+    clock = clock or PhaseClock()
     config, problem = validated.config, validated.problem
     registry_url = config.registry.url or default_registry_url()  # validate() resolved it
 
@@ -94,13 +104,26 @@ def run(
         gpu_plan = None
     backend = _build_backend(choice, validated)
     storage = None
+    compile_ahead = None
     failures: list[str] = []
     try:
-        say(choice.line(_measures_on_a_gpu(choice, backend)))
-        device = _device_profile(choice, backend, validated.device)
-        environment = Environment(**backend.environment())  # type: ignore[arg-type]
-        feasible, rejected = _candidates(choice, backend, validated, device)
-        predictions = {plan.key(): predict(plan, device) for plan in feasible}
+        with clock.phase("backend start"):
+            say(choice.line(_measures_on_a_gpu(choice, backend)))
+            device = _device_profile(choice, backend, validated.device)
+            environment = Environment(**backend.environment())  # type: ignore[arg-type]
+        if gpu_plan is None:
+            # The measurement worker builds the inputs and references meanwhile.
+            backend.prepare(problem)
+        lazy = choice.name == "pycuda" and gpu_plan is None and config.search.sampler == "model"
+        with clock.phase("planning"):
+            feasible, rejected = _candidates(
+                choice, backend, validated, device, precompiled=not lazy
+            )
+            predictions = {plan.key(): predict(plan, device) for plan in feasible}
+        if lazy:
+            compile_ahead = CompileAhead(
+                device, config.backend.cache_dir, config.backend.compile_jobs
+            )
         hashes = _source_hashes(choice, backend, problem)
         # A replay is a simulation of a GPU run: its own study, never the GPU's.
         variant = "replay" if choice.name == "replay" else ""
@@ -112,18 +135,20 @@ def run(
         # Checked before the study is touched: a registry that cannot take the
         # result is refused now, not after the search has spent its trials. A new
         # SQLite registry is created only when there is a plan to store.
-        PlanRegistry.check_writable(registry_url)
-        storage = open_storage(
-            storage_url,
-            heartbeat_interval_s=config.search.heartbeat_interval_s,
-            grace_period_s=config.search.grace_period_s,
-        )
+        with clock.phase("study"):
+            PlanRegistry.check_writable(registry_url)
+            storage = open_storage(
+                storage_url,
+                heartbeat_interval_s=config.search.heartbeat_interval_s,
+                grace_period_s=config.search.grace_period_s,
+            )
+            done = _trials_done(storage, name)
         shown = display_url(storage)  # a server's password stays off the terminal
+        compiled = "by the planner; compiled as the search reaches them" if lazy else "candidates"
         say(
-            f"study: {name} in {shown} ({len(feasible)} feasible candidates, "
+            f"study: {name} in {shown} ({len(feasible)} feasible {compiled}, "
             f"{len(rejected)} rejected; optuna-dashboard {shown} shows it)"
         )
-        done = _trials_done(storage, name)
         if done is not None:
             say(
                 f"study: continuing {name} ({done} trials done of "
@@ -135,6 +160,7 @@ def run(
         space = StudySpace(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
         )
+        search_began = time.monotonic()
         if gpu_plan is None:
             with _ProgressBar() as progress:
                 result = run_search(
@@ -146,6 +172,7 @@ def run(
                     predictions=predictions,
                     progress=progress,
                     on_start=progress.start,
+                    compile_ahead=compile_ahead,
                 )
         else:
             # The parent measures nothing: its backend (and, for PyCUDA, the GPU
@@ -166,20 +193,33 @@ def run(
                     job, gpu_plan, storage, progress=progress, on_start=progress.start
                 )
             failures = [f"workers: {e.describe()}" for e in outcome.failed] if outcome else []
+        clock.add("search", time.monotonic() - search_began)
+        trials = result.new_measurements
+        if trials:
+            seconds = clock.seconds["search"]
+            clock.note("search", f"{trials} trials, {seconds / trials:.2f} s each")
+        if compile_ahead is not None:
+            asked, cached = compile_ahead.variants
+            compiled = f"{asked} kernels compiled ahead ({cached} cached)"
+            clock.note("search", "; ".join(filter(None, (clock.notes.get("search"), compiled))))
     finally:
+        if compile_ahead is not None:
+            compile_ahead.close()
         backend.close()
         if storage is not None:
             storage.engine.dispose()  # SQLite checkpoints its WAL into the file
 
-    for line in failures:
-        say(line)
-    if result.interrupted:
-        say("interrupted: the study keeps its finished trials; the best so far follows")
-    say(report.best_table(result, TOP_ROWS))
-    for line in report.summary_lines(result):
-        say(line)
-    say(_store_best(result, problem, environment, hashes, registry_url, replayed=variant != ""))
-    say(_write_plots(result, problem, output_dir))
+    with clock.phase("report"):
+        for line in failures:
+            say(line)
+        if result.interrupted:
+            say("interrupted: the study keeps its finished trials; the best so far follows")
+        say(report.best_table(result, TOP_ROWS))
+        for line in report.summary_lines(result):
+            say(line)
+        say(_store_best(result, problem, environment, hashes, registry_url, replayed=variant != ""))
+        say(_write_plots(result, problem, output_dir))
+    say(clock.line())
     if result.interrupted:
         return EXIT_INTERRUPTED
     return 1 if failures else 0
@@ -282,15 +322,22 @@ def _device_profile(
 
 
 def _candidates(
-    choice: BackendChoice, backend: Backend, validated: ValidatedConfig, device: DeviceProfile
+    choice: BackendChoice,
+    backend: Backend,
+    validated: ValidatedConfig,
+    device: DeviceProfile,
+    *,
+    precompiled: bool = True,
 ) -> tuple[list[KernelPlan], list[KernelPlan]]:
+    """The feasible and rejected plans; for PyCUDA with ``precompiled`` every variant is
+    compiled first and judged by ptxas (without, the search compiles ahead of itself)."""
     problem, config = validated.problem, validated.config
     try:
         space = candidate_space(problem, device, space_axes_from(config.search))
     except PlanError as error:
         raise ConfigError(f"{problem.label()} cannot be planned: {error}") from error
     feasible, rejected = list(space.feasible), list(space.rejected)
-    if choice.name == "pycuda" and feasible:
+    if choice.name == "pycuda" and feasible and precompiled:
         feasible, compiled_out = precompile(
             feasible, device, config.backend.cache_dir, config.backend.compile_jobs
         )

@@ -85,6 +85,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -96,6 +97,7 @@ from tuner.costmodel import Prediction
 from tuner.errors import ConfigError, TunerError
 from tuner.model_sampler import ModelSampler, ResidualModel
 from tuner.planner.tunable import KernelPlan
+from tuner.precompile import CompileAhead
 from tuner.problem import Problem
 from tuner.stopping import StoppingRule, Verdict, judge
 from tuner.study_space import Encoding, StudySpace
@@ -109,6 +111,8 @@ SAMPLERS = ("model", "tpe", "random", "grid")
 #: hands the sampler the best-predicted candidate it has not evaluated yet
 FREE_STREAK_LIMIT = 25
 
+#: the failure of a plan the compiler ruled out during the search (``CompileAhead``)
+COMPILED_OUT = "COMPILER"
 #: study user attributes: the stopping rule a run used, and its verdict when it fired
 RULE_ATTR = "stop_rule"
 STOPPED_ATTR = "stopped"
@@ -250,8 +254,10 @@ class _Search:
         predictions: Mapping[str, Prediction],
         study: optuna.Study,
         progress: Progress | None,
+        compile_ahead: CompileAhead | None = None,
     ) -> None:
         self.space = space
+        self.compile_ahead = compile_ahead
         self.backend = backend
         self.settings = settings
         self.predictions = predictions
@@ -259,6 +265,8 @@ class _Search:
         self.progress = progress
         #: the shared study as last read (every worker's trials)
         self.shared = claims.Snapshot()
+        #: plans the compiler ruled out during the search (``compile_ahead``)
+        self.compiled_out: set[str] = set()
         self.deadline: float | None = None
         self.free_streak = 0
         self.new_trials: list[int] = []
@@ -293,7 +301,13 @@ class _Search:
 
     def refresh(self) -> None:
         """Read the shared study again: what counts, what is evaluated, what is in flight."""
-        self.shared = claims.read(self.study)
+        trials = self.study.get_trials(deepcopy=False)
+        self.shared = claims.snapshot(trials)
+        self.compiled_out = {
+            str(t.user_attrs.get("plan_key"))
+            for t in trials
+            if t.user_attrs.get("failure") == COMPILED_OUT
+        }
 
     @property
     def counted(self) -> int:
@@ -310,8 +324,31 @@ class _Search:
         return [
             plan
             for plan, key in zip(self.allowed, self.allowed_keys, strict=True)
-            if key not in evaluated and key not in busy
+            if key not in evaluated and key not in busy and key not in self.compiled_out
         ]
+
+    def upcoming(self, count: int) -> list[KernelPlan]:
+        """The ``count`` plans the search will most likely measure next: the queued ones,
+        then the model sampler's order (highest chance first), else the predicted order."""
+        waiting = {
+            str((t.system_attrs.get("fixed_params") or {}).get("candidate"))
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        }
+        open_plans = self.unevaluated()
+        queued = [plan for plan in open_plans if plan.key() in waiting]
+        rest = [plan for plan in open_plans if plan.key() not in waiting]
+        sampler = self.study.sampler
+        measured = self.measured()
+        if isinstance(sampler, ModelSampler) and measured and rest:
+            model = sampler.model
+            rows = [model.index[plan.key()] for plan in rest]
+            z = model.chances(measured, rows, sampler.margin).z
+            rest = [rest[i] for i in np.argsort(-z, kind="stable")]
+        return (queued + rest)[:count]
+
+    def compile_upcoming(self) -> None:
+        if self.compile_ahead is not None:
+            self.compile_ahead.request(self.upcoming(self.compile_ahead.window))
 
     def remaining(self) -> int:
         return self.settings.n_trials - self.counted
@@ -429,6 +466,11 @@ class _Search:
                 f"{self.settings.traffic_cutoff:g} x the best candidate's"
             )
             return self._prune(trial, attrs, "TRAFFIC_CUTOFF", reason)
+        if self.compile_ahead is not None:
+            judged = self.compile_ahead.judged(plan)
+            if not judged.feasible:
+                attrs["outcome"] = "infeasible"
+                return self._prune(trial, attrs, COMPILED_OUT, judged.reason)
         claim = claims.acquire(
             self.study,
             trial,
@@ -542,6 +584,8 @@ class _Search:
             self.free_streak = 0
         if self.stop_reason:
             study.stop()
+        else:
+            self.compile_upcoming()
 
     # ------------------------------------------------------------------ Ctrl-C
 
@@ -631,6 +675,7 @@ def run_search(
     worker: int = 0,
     parallel: bool = False,
     enqueue: bool = True,
+    compile_ahead: CompileAhead | None = None,
 ) -> SearchResult:
     """Run (or continue) the study ``study_name`` until ``settings.n_trials`` count.
 
@@ -644,6 +689,10 @@ def run_search(
     its own ``worker`` number (its sampler's seed is ``seed + worker``) and
     ``parallel=True``; ``enqueue=False`` where the study was prepared once with
     ``prepare_study`` (so the workers do not each queue the cost model's top).
+
+    ``compile_ahead``: the plans are compiled a window ahead of the search, and
+    each is judged by the compiler before it is measured (``tuner.precompile``);
+    without it they were compiled and judged before (or the backend needs none).
     """
     if isinstance(storage, str):
         storage = open_storage(
@@ -666,13 +715,14 @@ def run_search(
             ),
             load_if_exists=True,
         )
-        search = _Search(space, backend, settings, predictions, study, progress)
+        search = _Search(space, backend, settings, predictions, study, progress, compile_ahead)
         result = _empty_result(search, study_name, storage)
         search.record_rule()
         search.stop_reason = _nothing_left(search)
         if not search.stop_reason:
             if enqueue:
                 result.enqueued = search.enqueue_top()
+            search.compile_upcoming()
             if on_start is not None:
                 on_start(search.counted, settings.n_trials)
             started = time.monotonic()

@@ -413,6 +413,7 @@ def _worker_main(
         try:
             if job.environment is not None:
                 _check_environment(backend, job.environment, gpu)
+            backend.prepare(job.space.problem)  # meanwhile, the storage and the study
             storage = open_storage(
                 job.storage_url,
                 heartbeat_interval_s=job.settings.heartbeat_interval_s,
