@@ -190,7 +190,7 @@ def run_main(monkeypatch: pytest.MonkeyPatch, *arguments: str) -> int:
 def test_tuner_error_from_the_app_is_one_line(
     fake_app: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def run(validated: ValidatedConfig) -> int:
+    def run(validated: ValidatedConfig, **_: object) -> int:
         raise RegistryError("registry sqlite:///x cannot be opened: disk I/O error")
 
     fake_app.run = run  # type: ignore[attr-defined]
@@ -206,7 +206,7 @@ def test_exit_status_is_the_app_s(
 ) -> None:
     seen: list[ValidatedConfig] = []
 
-    def run(validated: ValidatedConfig) -> int:
+    def run(validated: ValidatedConfig, **_: object) -> int:
         seen.append(validated)
         return 3
 
@@ -219,7 +219,7 @@ def test_exit_status_is_the_app_s(
 def test_a_bug_keeps_its_traceback(
     fake_app: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def run(validated: ValidatedConfig) -> int:
+    def run(validated: ValidatedConfig, **_: object) -> int:
         raise RuntimeError("a bug")
 
     fake_app.run = run  # type: ignore[attr-defined]

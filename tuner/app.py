@@ -200,7 +200,7 @@ def run(
             clock.note("search", f"{trials} trials, {seconds / trials:.2f} s each")
         if compile_ahead is not None:
             asked, cached = compile_ahead.variants
-            compiled = f"{asked} kernels compiled ahead ({cached} cached)"
+            compiled = f"{asked} kernels compiled ahead, {cached} cached"
             clock.note("search", "; ".join(filter(None, (clock.notes.get("search"), compiled))))
     finally:
         if compile_ahead is not None:
