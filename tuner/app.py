@@ -161,6 +161,8 @@ def run(
             problem, device, feasible, rejected, encoding=encoding_for(config.search.sampler)
         )
         search_began = time.monotonic()
+        if choice.name == "pycuda":  # the search waits on the GPU: import meanwhile
+            plots.import_ahead()
         if gpu_plan is None:
             with _ProgressBar() as progress:
                 result = run_search(
