@@ -90,6 +90,9 @@ def test_a_replayed_run_stops_early_and_stores_what_40_trials_store(tmp_path, hy
         f"stopped after {len(early)} of 40 trials: no unmeasured plan has more than a 5% "
         "chance of beating the best by 2% (the largest: "
     )
+    # The last line says where the time went, and how many trials the search ran.
+    last = output.splitlines()[-1]
+    assert last.startswith("time: ") and f"search ({len(early)} trials, " in last
 
 
 def test_the_study_records_the_rule_and_where_it_stopped(tmp_path, hydra_conf):
