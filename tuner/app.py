@@ -115,10 +115,10 @@ def run(
             # The measurement worker builds the inputs and references meanwhile.
             backend.prepare(problem)
         lazy = choice.name == "pycuda" and gpu_plan is None and config.search.sampler == "model"
+        feasible, rejected = _candidates(
+            choice, backend, validated, device, clock, precompiled=not lazy
+        )
         with clock.phase("planning"):
-            feasible, rejected = _candidates(
-                choice, backend, validated, device, precompiled=not lazy
-            )
             predictions = {plan.key(): predict(plan, device) for plan in feasible}
         if lazy:
             compile_ahead = CompileAhead(
@@ -328,22 +328,36 @@ def _candidates(
     backend: Backend,
     validated: ValidatedConfig,
     device: DeviceProfile,
+    clock: PhaseClock,
     *,
     precompiled: bool = True,
 ) -> tuple[list[KernelPlan], list[KernelPlan]]:
     """The feasible and rejected plans; for PyCUDA with ``precompiled`` every variant is
     compiled first and judged by ptxas (without, the search compiles ahead of itself)."""
+    with clock.phase("planning"):
+        feasible, rejected = _planned(choice, backend, validated, device)
+    if choice.name == "pycuda" and precompiled:
+        config = validated.config
+        with clock.phase("compiling"):
+            feasible, compiled_out = precompile(
+                feasible, device, config.backend.cache_dir, config.backend.compile_jobs
+            )
+        rejected += compiled_out
+        _require_some(feasible, rejected, validated.problem, device)
+    return feasible, rejected
+
+
+def _planned(
+    choice: BackendChoice, backend: Backend, validated: ValidatedConfig, device: DeviceProfile
+) -> tuple[list[KernelPlan], list[KernelPlan]]:
+    """The planner's feasible and rejected plans (for a replay, less what the recording's
+    compiler ruled out)."""
     problem, config = validated.problem, validated.config
     try:
         space = candidate_space(problem, device, space_axes_from(config.search))
     except PlanError as error:
         raise ConfigError(f"{problem.label()} cannot be planned: {error}") from error
     feasible, rejected = list(space.feasible), list(space.rejected)
-    if choice.name == "pycuda" and feasible and precompiled:
-        feasible, compiled_out = precompile(
-            feasible, device, config.backend.cache_dir, config.backend.compile_jobs
-        )
-        rejected += compiled_out
     if choice.name == "replay":
         # What the recording machine's compiler ruled out is dropped here, as
         # precompiling drops it in a PyCUDA run, so a replay searches the same space.
@@ -367,12 +381,18 @@ def _candidates(
             if verdicts[plan.key()]
         ]
         feasible = [plan for plan in feasible if not verdicts[plan.key()]]
+    _require_some(feasible, rejected, problem, device)
+    return feasible, rejected
+
+
+def _require_some(
+    feasible: list[KernelPlan], rejected: list[KernelPlan], problem: Problem, device: DeviceProfile
+) -> None:
     if not feasible:
         raise ConfigError(
             f"no feasible candidate for {problem.label()} on {device.name}: "
             f"all {len(rejected)} rejected (first: {rejected[0].reason if rejected else '-'})"
         )
-    return feasible, rejected
 
 
 def _source_hashes(choice: BackendChoice, backend: Backend, problem: Problem) -> dict[str, str]:

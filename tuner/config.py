@@ -39,7 +39,8 @@ class SearchConfig:
     #: than ``stop_probability`` chance of beating the best by ``stop_margin``
     #: (``tuner.stopping``); model sampler only (tpe, random and grid run n_trials)
     stop: bool = True
-    #: improvement (a fraction of the best time) too small to go on measuring for
+    #: improvement (a fraction of the best time) too small to go on measuring for; also
+    #: the improvement the model sampler's proposals aim at
     stop_margin: float = 0.02
     #: a plan with at least this chance of beating the best by stop_margin keeps the
     #: search going
