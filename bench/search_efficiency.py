@@ -83,7 +83,7 @@ from tuner.precompile import precompile
 from tuner.problem import Problem
 from tuner.search import encoding_for, run_search
 from tuner.study_space import StudySpace
-from tuner.trials import TrialOutcome
+from tuner.trials import SearchResult, TrialOutcome
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "bench" / "data"
@@ -511,6 +511,13 @@ def search_once(
 ) -> list[TrialOutcome]:
     """One search of ``setup``'s problem with ``VARIANTS[variant]``; every trial of the study."""
     settings = SearchConfig(**(VARIANTS[variant] | {"seed": seed, "n_trials": budget}))
+    return search_with(setup, settings, f"{variant}-{seed}", storage).trials
+
+
+def search_with(
+    setup: ProblemSetup, settings: SearchConfig, name: str, storage: Any | None = None
+) -> SearchResult:
+    """One search of ``setup``'s problem with ``settings`` (in memory unless ``storage``)."""
     space = StudySpace(
         setup.recording.problem,
         setup.device,
@@ -518,15 +525,14 @@ def search_once(
         setup.rejected,
         encoding=encoding_for(settings.sampler),
     )
-    result = run_search(
+    return run_search(
         space,
         ReplayBackend(setup.path),
         settings,
         storage=storage if storage is not None else MemoryStorage(),
-        study_name=f"{variant}-{seed}",
+        study_name=name,
         predictions=setup.predictions,
     )
-    return result.trials
 
 
 def _curve_task(task: tuple[Unit, str, int, int]) -> tuple[Unit, str, int, list[float]]:
@@ -717,6 +723,7 @@ SOURCES = (
     "tuner/costmodel.py",
     "tuner/costmodel_calibration.json",
     "tuner/model_sampler.py",
+    "tuner/stopping.py",
     "tuner/planner/tunable.py",
     "tuner/planner/space.py",
     "kernels/backends/replay.py",

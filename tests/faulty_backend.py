@@ -34,11 +34,22 @@ class FaultyBackend(Backend):
 
     name = "faulty"
 
-    def __init__(self, faults: Mapping[str, str], device: DeviceProfile = H200) -> None:
+    def __init__(
+        self, faults: Mapping[str, str], device: DeviceProfile = H200, prepare_s: float = 0.0
+    ) -> None:
         self.faults = dict(faults)
         self.model = ModelBackend(device)
         self.context_lost = False
         self.pid = os.getpid()
+        #: ``prepare`` takes this long (a large problem's inputs); negative: it raises
+        self.prepare_s = prepare_s
+        self.prepared: list[str] = []
+
+    def prepare(self, problem: Problem) -> None:
+        if self.prepare_s < 0:
+            raise MemoryError(f"{problem.label()} does not fit")
+        time.sleep(self.prepare_s)
+        self.prepared.append(problem.label())
 
     def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
         if self.context_lost:
@@ -70,7 +81,7 @@ class FaultyBackend(Backend):
             tflops=measurement.tflops,
             gbps=measurement.gbps,
             max_abs_error=0.0,
-            detail=f"pid {os.getpid()}",
+            detail=f"pid {os.getpid()}" + "".join(f", prepared {p}" for p in self.prepared),
         )
 
     def environment(self) -> dict[str, str | int]:
@@ -87,11 +98,12 @@ class FaultyFactory:
     faults: Mapping[str, str] = field(default_factory=dict)
     fail_to_start: bool = False
     name: str = "faulty"
+    prepare_s: float = 0.0
 
     def __call__(self) -> Backend:
         if self.fail_to_start:
             raise RuntimeError("no device here")
-        return FaultyBackend(self.faults)
+        return FaultyBackend(self.faults, prepare_s=self.prepare_s)
 
 
 class RecordingBackend(Backend):

@@ -330,7 +330,15 @@ def test_cli_replay_of_another_problem_is_one_error_line(tmp_path):
 
 
 def test_cli_ctrl_c_keeps_the_best_so_far_and_the_rerun_continues(tmp_path):
-    overrides = ["seq_len=4096", "head_dim=128", "dtype=float32", "backend=model", *urls(tmp_path)]
+    # No stopping rule: a search long enough to interrupt, and a rerun that runs its 3.
+    overrides = [
+        "seq_len=4096",
+        "head_dim=128",
+        "dtype=float32",
+        "backend=model",
+        "search.stop=false",
+        *urls(tmp_path),
+    ]
     process = subprocess.Popen(
         [
             sys.executable,

@@ -226,7 +226,7 @@ def run_main(monkeypatch: pytest.MonkeyPatch, *arguments: str) -> int:
 def test_tuner_error_from_the_app_is_one_line(
     fake_app: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def run(validated: ValidatedConfig) -> int:
+    def run(validated: ValidatedConfig, **_: object) -> int:
         raise RegistryError("registry sqlite:///x cannot be opened: disk I/O error")
 
     fake_app.run = run  # type: ignore[attr-defined]
@@ -242,7 +242,7 @@ def test_exit_status_is_the_app_s(
 ) -> None:
     seen: list[ValidatedConfig] = []
 
-    def run(validated: ValidatedConfig) -> int:
+    def run(validated: ValidatedConfig, **_: object) -> int:
         seen.append(validated)
         return 3
 
@@ -255,7 +255,7 @@ def test_exit_status_is_the_app_s(
 def test_a_bug_keeps_its_traceback(
     fake_app: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def run(validated: ValidatedConfig) -> int:
+    def run(validated: ValidatedConfig, **_: object) -> int:
         raise RuntimeError("a bug")
 
     fake_app.run = run  # type: ignore[attr-defined]
@@ -278,6 +278,11 @@ def test_user_s_hydra_full_error_brings_tracebacks_back(
         (["foo=1"], "foo=1 is invalid: no such key; allowed: seq_len, head_dim,"),
         (["search.n_trials=1.5"], "search.n_trials=1.5 is invalid: must be an integer >= 1"),
         (["backend.flush_l2=maybe"], "backend.flush_l2=maybe is invalid: must be true or false"),
+        (["search.stop=maybe"], "search.stop=maybe is invalid: must be true or false"),
+        (
+            ["search.stop_probability=x"],
+            "search.stop_probability=x is invalid: must be a number > 0 and < 1",
+        ),
         (
             ["serach.n_trials=5"],
             "serach.n_trials=5 is invalid: no such key (did you mean search.n_trials?); allowed:",

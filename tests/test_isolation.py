@@ -72,6 +72,33 @@ def test_measures_in_another_process_and_keeps_the_worker(isolated):
     assert backend.device_profile() == H200
 
 
+def test_prepare_returns_at_once_and_the_worker_prepares_before_it_measures():
+    backend = IsolatedBackend(FaultyFactory(prepare_s=1.0), 30.0)
+    try:
+        backend.start()
+        began = time.monotonic()
+        backend.prepare(PROBLEM)
+        assert time.monotonic() - began < 0.5  # not waiting for the worker
+        measurement = backend.measure(GOOD, PROBLEM)
+        assert measurement.ok and f"prepared {PROBLEM.label()}" in measurement.detail
+        assert time.monotonic() - began >= 1.0  # the measurement came after it
+    finally:
+        backend.close()
+    no_children_left()
+
+
+def test_a_prepare_that_fails_leaves_the_worker_measuring():
+    backend = IsolatedBackend(FaultyFactory(prepare_s=-1.0), 30.0)
+    try:
+        backend.prepare(PROBLEM)
+        measurement = backend.measure(GOOD, PROBLEM)
+        assert measurement.ok and "prepared" not in measurement.detail
+        assert backend.starts == 1
+    finally:
+        backend.close()
+    no_children_left()
+
+
 @pytest.mark.parametrize(
     ("fault", "failure", "words"),
     [

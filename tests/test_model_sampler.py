@@ -33,14 +33,13 @@ def test_indicators_name_the_family_its_values_and_the_split_count(ranked):
     assert not any("split_target" in name for name in names)  # an alias of the split count
 
 
-def test_without_measurements_the_greedy_proposal_is_the_best_prediction(ranked):
+def test_without_measurements_the_proposal_is_the_best_prediction(ranked):
     plans, predicted = ranked
     model = ResidualModel(plans, predicted)
-    rng = np.random.default_rng(0)
-    assert model.propose({}, set(), rng, temperature=0.0) == plans[0].key()
+    assert model.propose({}, set()) == plans[0].key()
     first_two = {plans[0].key(), plans[1].key()}
-    assert model.propose({}, first_two, rng, temperature=0.0) == plans[2].key()
-    assert model.propose({}, {p.key() for p in plans}, rng, temperature=0.0) is None
+    assert model.propose({}, first_two) == plans[2].key()
+    assert model.propose({}, {p.key() for p in plans}) is None
 
 
 def test_a_family_measured_slower_than_predicted_moves_down(ranked):
@@ -52,7 +51,7 @@ def test_a_family_measured_slower_than_predicted_moves_down(ranked):
     # the best plan of another family comes before the rest of it.
     same = [p for p in plans if p.family == top.family][:2]
     measured = {p.key(): 4.0 * predicted[plans.index(p)] for p in same}
-    proposal = model.propose(measured, set(measured), np.random.default_rng(0), temperature=0.0)
+    proposal = model.propose(measured, set(measured))
     ranked_other = min(
         (p for p in plans if p.family != top.family), key=lambda p: predicted[plans.index(p)]
     )
@@ -81,28 +80,55 @@ def test_the_posterior_learns_a_tunable_value_that_is_slower_than_predicted(rank
     assert all(corrected[i] > model.log_predicted[i] for i in with_value)
 
 
-def test_seeds_change_the_order_but_not_the_first_pick(ranked):
+def test_after_a_time_the_proposal_is_the_plan_most_likely_to_beat_the_best(ranked):
+    plans, predicted = ranked
+    model = ResidualModel(plans, predicted)
+    measured = {plans[0].key(): predicted[0] * 1.3}
+    rows = model.open_rows(set(measured))
+    chances = model.chances(measured, rows, margin=0.02)
+    expected = chances.keys[int(np.argmax(chances.z))]
+    assert model.propose(measured, set(measured), margin=0.02) == expected
+    # Its chance is the largest, and a real probability.
+    top = chances.keys.index(expected)
+    assert chances.largest == chances.chance(top)
+    assert 0.0 < chances.largest < 1.0
+    assert all(chances.chance(i) <= chances.largest for i in range(len(chances.keys)))
+
+
+def test_a_plan_predicted_far_slower_than_the_best_has_almost_no_chance(ranked):
+    plans, predicted = ranked
+    model = ResidualModel(plans, predicted)
+    # Measured exactly as predicted: the regression stays at its prior.
+    measured = {p.key(): predicted[i] for i, p in enumerate(plans[:12])}
+    rows = model.open_rows(set(measured))
+    chances = model.chances(measured, rows, margin=0.02)
+    slowest = max(range(len(rows)), key=lambda j: model.log_predicted[rows[j]])
+    assert predicted[rows[slowest]] > 3 * chances.best_ms
+    assert chances.chance(slowest) < 1e-3
+    # A larger margin asks for more: every chance shrinks.
+    wider = model.chances(measured, rows, margin=0.2)
+    assert np.all(wider.z < chances.z)
+
+
+def test_proposals_are_deterministic(ranked):
     plans, predicted = ranked
     orders = []
-    for seed in range(4):
+    for _ in range(2):
         model = ResidualModel(plans, predicted)
-        rng = np.random.default_rng(seed)
-        excluded: set[str] = set()
-        order = []
-        for _ in range(6):
-            key = model.propose({}, excluded, rng, temperature=0.5)
-            assert key is not None and key not in excluded
-            excluded.add(key)
-            order.append(key)
-        orders.append(order)
-    assert len({tuple(order) for order in orders}) > 1
+        measured: dict[str, float] = {}
+        for index in range(6):
+            key = model.propose(measured, set(measured))
+            assert key is not None and key not in measured
+            measured[key] = predicted[index] * 1.1
+        orders.append(list(measured))
+    assert orders[0] == orders[1]
 
 
 def test_in_a_study_it_proposes_each_plan_once_and_only_allowed_plans(ranked):
     plans, predicted = ranked
     allowed = plans[: len(plans) // 2]
     space = StudySpace(PROBLEM, H200, plans, encoding="candidate")
-    sampler = ModelSampler(allowed, predicted[: len(allowed)], seed=1, temperature=0.0)
+    sampler = ModelSampler(allowed, predicted[: len(allowed)], seed=1)
     study = optuna.create_study(sampler=sampler)
     seen = []
 

@@ -147,7 +147,10 @@ def test_a_launcher_without_its_scheduler_is_one_line(tmp_path: Path) -> None:
 
 
 def test_progress_is_a_line_per_tenth_of_the_trials_off_a_terminal(tmp_path: Path) -> None:
-    done = tune(tmp_path, "search.n_trials=20", f"hydra.run.dir={tmp_path / 'run'}")
+    # All 20 trials (no stopping rule), so that every tenth has its line.
+    done = tune(
+        tmp_path, "search.n_trials=20", "search.stop=false", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("trials: ")]
     assert [line.split(",")[0] for line in lines] == [f"trials: {n}/20" for n in range(2, 21, 2)]

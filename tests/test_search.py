@@ -105,8 +105,14 @@ def test_a_plan_the_compiler_rejected_is_never_measured(tmp_path, sampler):
         problem, H200, feasible, (*space.rejected, spilled), encoding=encoding_for(sampler)
     )
     backend = RecordingBackend()
-    result = search(
-        tmp_path, study_space, predictions, backend, sampler=sampler, n_trials=len(feasible)
+    result = search(  # every feasible plan once: no stopping rule
+        tmp_path,
+        study_space,
+        predictions,
+        backend,
+        sampler=sampler,
+        n_trials=len(feasible),
+        stop=False,
     )
     assert spilled.key() not in backend.keys
     assert sorted(backend.keys) == sorted(p.key() for p in feasible)
@@ -238,7 +244,7 @@ def test_the_search_ends_when_every_candidate_is_evaluated(tmp_path):
     axes = SpaceAxes(families=("tiled",), tile_sizes=(32,), rows_per_block=(32,))
     space, predictions = make_space(Problem(512, 64), axes=axes)
     backend = RecordingBackend()
-    result = search(tmp_path, space, predictions, backend, n_trials=100)
+    result = search(tmp_path, space, predictions, backend, n_trials=100, stop=False)
     assert sorted(backend.keys) == sorted(space.by_key)
     assert result.stop_reason == "every candidate within the traffic cutoff is evaluated"
     # The sampler kept proposing the few plans there are: it was helped along.

@@ -369,6 +369,7 @@ def test_ctrl_c_reaches_every_worker_and_the_best_so_far_is_stored(tmp_path):
             "backend=model",
             "workers=2",
             "search.n_trials=400",
+            "search.stop=false",  # a search long enough to interrupt
             f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
             f"search.storage=sqlite:///{study}",
             f"hydra.run.dir={tmp_path / 'run'}",
@@ -426,6 +427,7 @@ def test_ctrl_c_while_the_workers_start_is_one_clean_interrupt(tmp_path):
             "backend=model",
             "workers=2",
             "search.n_trials=400",
+            "search.stop=false",  # a search long enough to interrupt
             f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
             f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
             f"hydra.run.dir={tmp_path / 'run'}",

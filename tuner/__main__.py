@@ -147,8 +147,12 @@ def dispatch(validated: ValidatedConfig) -> int:
     # Imported here: the tune run pulls in Optuna, the database and the backends,
     # none of which validation or plan mode needs.
     from tuner.app import run
+    from tuner.phases import PhaseClock, process_age_s
 
-    return run(validated)
+    # The first job's clock starts with the process (imports, composition); a later
+    # job of a sweep in this process starts with its own run.
+    clock = PhaseClock(start_up_s=process_age_s() if _jobs_started == 1 else None)
+    return run(validated, clock=clock)
 
 
 def dispatch_model(validated: ValidatedModel) -> int:

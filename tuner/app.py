@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,15 +54,23 @@ from tuner.device import DeviceProfile
 from tuner.environment import Environment
 from tuner.errors import BackendError, ConfigError
 from tuner.isolation import IsolatedBackend
+from tuner.phases import PhaseClock
 from tuner.planner.errors import PlanError
 from tuner.planner.families import family_named
 from tuner.planner.space import CandidateSpace, candidate_space
 from tuner.planner.tunable import KernelPlan
-from tuner.precompile import precompile
+from tuner.precompile import CompileAhead, precompile
 from tuner.problem import Problem
 from tuner.progress import SearchProgress, TrialProgress
 from tuner.run_log import to_log_file
-from tuner.search import allowed_plans, encoding_for, run_search, study_trials
+from tuner.search import (
+    allowed_plans,
+    encoding_for,
+    rule_off_reason,
+    run_search,
+    stopping_rule,
+    study_trials,
+)
 from tuner.study_names import default_storage_url, study_name
 from tuner.study_space import StudySpace
 from tuner.study_storage import open_storage
@@ -79,13 +88,23 @@ _STATUS_WORDS = {
 
 
 def run(
-    validated: ValidatedConfig, *, output_dir: str | Path | None = None, out: TextIO | None = None
+    validated: ValidatedConfig,
+    *,
+    output_dir: str | Path | None = None,
+    out: TextIO | None = None,
+    clock: PhaseClock | None = None,
 ) -> int:
     """Tune ``validated.problem``; 0 when done, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted
-    (the best so far stored)."""
+    (the best so far stored).
+
+    ``clock``: where the wall time goes, one line at the end (``tuner.phases``).
+    """
     problem = validated.problem
     say = _sayer(out or sys.stdout)
-    session = TuneSession.open(validated.config, validated.device, say, problem=problem)
+    clock = clock or PhaseClock()
+    session = TuneSession.open(
+        validated.config, validated.device, say, problem=problem, clock=clock
+    )
     try:
         prepared = session.prepare(problem)
         shown = display_url(session.storage)  # a server's password stays off the terminal
@@ -95,9 +114,14 @@ def run(
             if importlib.util.find_spec("optuna_dashboard") is not None
             else ""
         )
+        compiled = (
+            "by the planner; compiled as the search reaches them"
+            if session.compiles_ahead
+            else "candidates"
+        )
         say(
             f"study: {prepared.study_name} in {shown} ({len(prepared.feasible)} feasible "
-            f"candidates, {len(prepared.rejected)} rejected{viewer})"
+            f"{compiled}, {len(prepared.rejected)} rejected{viewer})"
         )
         if prepared.done is not None:
             say(
@@ -105,33 +129,38 @@ def run(
                 f"search.n_trials={session.config.search.n_trials}; "
                 "search.study_name=<new name> starts another)"
             )
+        settings = session.config.search
+        if settings.stop and stopping_rule(settings) is None:
+            say(f"search.stop: off ({rule_off_reason(settings)})")
         with TrialProgress(session.progress_label) as progress:
             tuned = session.search(prepared, progress)
     finally:
         session.close()
 
     result = tuned.result
-    for line in tuned.failures:
-        say(line)
-    if result.interrupted:
+    with clock.phase("report"):
+        for line in tuned.failures:
+            say(line)
+        if result.interrupted:
+            say(
+                f"interrupted ({termination.cause()}): the study keeps its finished trials; "
+                "the best so far follows"
+            )
+        say(report.best_table(result, TOP_ROWS))
+        for line in report.summary_lines(result):
+            say(line)
         say(
-            f"interrupted ({termination.cause()}): the study keeps its finished trials; "
-            "the best so far follows"
+            _store_best(
+                result,
+                problem,
+                session.environment,
+                tuned.source_hashes,
+                session.registry_url,
+                replayed=session.replayed,
+            )
         )
-    say(report.best_table(result, TOP_ROWS))
-    for line in report.summary_lines(result):
-        say(line)
-    say(
-        _store_best(
-            result,
-            problem,
-            session.environment,
-            tuned.source_hashes,
-            session.registry_url,
-            replayed=session.replayed,
-        )
-    )
-    say(_write_plots(result, problem, output_dir))
+        say(_write_plots(result, problem, output_dir))
+    say(clock.line())
     if result.interrupted:
         return termination.exit_status()
     return 1 if tuned.failures else 0
@@ -187,7 +216,8 @@ class TuneSession:
     ``prepare(problem)`` plans a problem's candidates and names its study;
     ``search(prepared, progress)`` runs or continues the study (in this process, or
     in ``workers`` worker processes). The shape command tunes one problem through it,
-    a model run (``tuner.llm.run``) each of the model's problems in turn.
+    a model run (``tuner.llm.run``) each of the model's problems in turn. ``clock``
+    adds up where the time goes (backend start, planning, compiling, study, search).
     """
 
     def __init__(
@@ -198,8 +228,10 @@ class TuneSession:
         backend: Backend,
         gpu_plan: GpuPlan | None,
         say: Callable[[str], None],
+        clock: PhaseClock | None = None,
     ) -> None:
         self.config = config
+        self.clock = clock or PhaseClock()
         self.say = say
         self.configured_device = configured_device
         self.choice = choice
@@ -212,6 +244,7 @@ class TuneSession:
         self.storage_url = ""
         self._backend_closed = False
         self._workers_announced = False
+        self._compile_ahead: CompileAhead | None = None
 
     @classmethod
     def open(
@@ -221,6 +254,7 @@ class TuneSession:
         say: Callable[[str], None],
         *,
         problem: Problem | None = None,
+        clock: PhaseClock | None = None,
     ) -> TuneSession:
         """Choose and build the backend (saying which in one line), read the device and
         the environment, and open the study storage; ``RegistryError`` now, before any
@@ -232,7 +266,7 @@ class TuneSession:
             say(gpu_plan.line())
             gpu_plan = None
         backend = _build_backend(choice, config, configured_device, problem)
-        session = cls(config, configured_device, choice, backend, gpu_plan, say)
+        session = cls(config, configured_device, choice, backend, gpu_plan, say, clock)
         try:
             session._start()
         except BaseException:
@@ -241,9 +275,14 @@ class TuneSession:
         return session
 
     def _start(self) -> None:
-        self.say(self.choice.line(_measures_on_a_gpu(self.choice, self.backend)))
-        self.device = _device_profile(self.choice, self.backend, self.configured_device)
-        self.environment = Environment(**self.backend.environment())  # type: ignore[arg-type]
+        with self.clock.phase("backend start"):
+            self.say(self.choice.line(_measures_on_a_gpu(self.choice, self.backend)))
+            self.device = _device_profile(self.choice, self.backend, self.configured_device)
+            self.environment = Environment(**self.backend.environment())  # type: ignore[arg-type]
+        with self.clock.phase("study"):
+            self._open_storage()
+
+    def _open_storage(self) -> None:
         self.storage_url = self.config.search.storage or default_storage_url(self.registry_url)
         _check_storage(self.storage_url, self.registry_url, shared=self.gpu_plan is not None)
         # Checked before the study is touched: a registry that cannot take the
@@ -254,6 +293,16 @@ class TuneSession:
             self.storage_url,
             heartbeat_interval_s=self.config.search.heartbeat_interval_s,
             grace_period_s=self.config.search.grace_period_s,
+        )
+
+    @property
+    def compiles_ahead(self) -> bool:
+        """Whether PyCUDA's candidates compile as the search reaches them (the model
+        sampler measures a few of many, in this process) rather than all before it."""
+        return (
+            self.choice.name == "pycuda"
+            and self.gpu_plan is None
+            and self.config.search.sampler == "model"
         )
 
     @property
@@ -282,12 +331,25 @@ class TuneSession:
         run's device. ``ConfigError`` when no candidate is left (the compiler ruled
         them all out)."""
         assert self.storage is not None and self.environment is not None
-        if space is None or self.device != self.configured_device:
-            space = _plan_space(problem, self.config, self.device)
-        feasible, rejected = _candidates(
-            self.choice, self.backend, problem, space, self.config, self.device
-        )
-        predictions = {plan.key(): predict(plan, self.device) for plan in feasible}
+        if self.gpu_plan is None and not self._backend_closed:
+            # The measurement worker builds the inputs and references meanwhile.
+            self.backend.prepare(problem)
+        with self.clock.phase("planning"):
+            if space is None or self.device != self.configured_device:
+                space = _plan_space(problem, self.config, self.device)
+            feasible, rejected = _planned(self.choice, self.backend, problem, space, self.device)
+        if self.choice.name == "pycuda" and not self.compiles_ahead:
+            with self.clock.phase("compiling"):
+                feasible, compiled_out = precompile(
+                    feasible,
+                    self.device,
+                    self.config.backend.cache_dir,
+                    self.config.backend.compile_jobs,
+                )
+            rejected += compiled_out
+            _require_some(feasible, rejected, problem, self.device)
+        with self.clock.phase("planning"):
+            predictions = {plan.key(): predict(plan, self.device) for plan in feasible}
         hashes = _source_hashes(self.choice, self.backend, problem)
         name = self.config.search.study_name or study_name(
             problem,
@@ -306,6 +368,15 @@ class TuneSession:
             done=_trials_done(self.storage, name),
         )
 
+    def _compile_ahead_for_search(self) -> CompileAhead | None:
+        if not self.compiles_ahead:
+            return None
+        if self._compile_ahead is None:
+            self._compile_ahead = CompileAhead(
+                self.device, self.config.backend.cache_dir, self.config.backend.compile_jobs
+            )
+        return self._compile_ahead
+
     def search(self, prepared: PreparedProblem, progress: SearchProgress) -> TunedProblem:
         """Run or continue ``prepared``'s study until ``search.n_trials`` count."""
         assert self.storage is not None and self.environment is not None
@@ -318,7 +389,12 @@ class TuneSession:
             encoding=encoding_for(settings.sampler),
         )
         pick, _ = allowed_plans(space, prepared.predictions, settings.traffic_cutoff)[0]
+        began = time.monotonic()
+        if self.choice.name == "pycuda":  # the search waits on the GPU: import meanwhile
+            plots.import_ahead()
         if self.gpu_plan is None:
+            compile_ahead = self._compile_ahead_for_search()
+            before = compile_ahead.variants if compile_ahead is not None else (0, 0)
             result = run_search(
                 space,
                 self.backend,
@@ -328,7 +404,9 @@ class TuneSession:
                 predictions=prepared.predictions,
                 progress=progress,
                 on_start=progress.start,
+                compile_ahead=compile_ahead,
             )
+            self._time_search(began, result, compile_ahead, before)
             return TunedProblem(prepared, result, [], pick)
         # The parent measures nothing: its backend (and, for PyCUDA, the GPU
         # context of its measurement process) goes before the workers start.
@@ -349,9 +427,35 @@ class TuneSession:
             job, self.gpu_plan, self.storage, progress=progress, on_start=progress.start
         )
         failures = [f"workers: {e.describe()}" for e in outcome.failed] if outcome else []
+        self._time_search(began, result, None, (0, 0))
         return TunedProblem(prepared, result, failures, pick)
 
+    def _time_search(
+        self,
+        began: float,
+        result: SearchResult,
+        compile_ahead: CompileAhead | None,
+        before: tuple[int, int],
+    ) -> None:
+        """The search's seconds on the clock, noted per trial (and what compiled ahead)."""
+        seconds = time.monotonic() - began
+        self.clock.add("search", seconds)
+        notes = []
+        trials = result.new_measurements
+        if trials:
+            notes.append(f"{trials} trials, {seconds / trials:.2f} s each")
+        if compile_ahead is not None:
+            asked, cached = (
+                now - then for now, then in zip(compile_ahead.variants, before, strict=True)
+            )
+            notes.append(f"{asked} kernels compiled ahead, {cached} cached")
+        if notes:
+            self.clock.note("search", "; ".join(notes))
+
     def close(self) -> None:
+        if self._compile_ahead is not None:
+            self._compile_ahead.close()
+            self._compile_ahead = None
         self._close_backend()
         if self.storage is not None:
             self.storage.engine.dispose()  # SQLite checkpoints its WAL into the file
@@ -468,20 +572,16 @@ def _plan_space(problem: Problem, config: TunerConfig, device: DeviceProfile) ->
         raise ConfigError(f"{problem.label()} cannot be planned: {error}") from error
 
 
-def _candidates(
+def _planned(
     choice: BackendChoice,
     backend: Backend,
     problem: Problem,
     space: CandidateSpace,
-    config: TunerConfig,
     device: DeviceProfile,
 ) -> tuple[list[KernelPlan], list[KernelPlan]]:
+    """The planner's feasible and rejected plans (for a replay, less what the recording's
+    compiler ruled out); ``ConfigError`` when none is feasible."""
     feasible, rejected = list(space.feasible), list(space.rejected)
-    if choice.name == "pycuda" and feasible:
-        feasible, compiled_out = precompile(
-            feasible, device, config.backend.cache_dir, config.backend.compile_jobs
-        )
-        rejected += compiled_out
     if choice.name == "replay":
         # What the recording machine's compiler ruled out is dropped here, as
         # precompiling drops it in a PyCUDA run, so a replay searches the same space.
@@ -505,12 +605,18 @@ def _candidates(
             if verdicts[plan.key()]
         ]
         feasible = [plan for plan in feasible if not verdicts[plan.key()]]
+    _require_some(feasible, rejected, problem, device)
+    return feasible, rejected
+
+
+def _require_some(
+    feasible: list[KernelPlan], rejected: list[KernelPlan], problem: Problem, device: DeviceProfile
+) -> None:
     if not feasible:
         raise ConfigError(
             f"no feasible candidate for {problem.label()} on {device.name}: "
             f"all {len(rejected)} rejected (first: {rejected[0].reason if rejected else '-'})"
         )
-    return feasible, rejected
 
 
 def _source_hashes(choice: BackendChoice, backend: Backend, problem: Problem) -> dict[str, str]:

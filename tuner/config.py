@@ -42,8 +42,22 @@ class SearchConfig:
     #: "model" (default: the cost model's ranking corrected by the measurements),
     #: "tpe", "random" or "grid"
     sampler: str = "model"
-    #: trials to finish in this study (a resumed study counts the finished ones)
+    #: trials to finish in this study (a resumed study counts the finished ones); with
+    #: ``stop`` the cap: the stopping rule usually ends the search well before it
     n_trials: int = 40
+    #: end the search once the model sampler's posterior gives no unmeasured plan more
+    #: than ``stop_probability`` chance of beating the best by ``stop_margin``
+    #: (``tuner.stopping``); model sampler only (tpe, random and grid run n_trials)
+    stop: bool = True
+    #: improvement (a fraction of the best time) too small to go on measuring for; also
+    #: the improvement the model sampler's proposals aim at
+    stop_margin: float = 0.02
+    #: a plan with at least this chance of beating the best by stop_margin keeps the
+    #: search going
+    stop_probability: float = 0.05
+    #: counted trials before the stopping rule may end the search (n_trials, the cap,
+    #: wins where it is smaller)
+    min_trials: int = 4
     #: wall-clock limit of the whole search in seconds; null for none
     timeout_s: float | None = None
     seed: int = 0
@@ -278,6 +292,14 @@ def number_above(low: float, *, optional: bool = False) -> Rule:
     return Rule(allowed, lambda v: (optional and v is None) or (_is_number(v) and v > low))
 
 
+def _fraction_below(high: float, *, open_low: bool) -> Rule:
+    low = "> 0" if open_low else ">= 0"
+    return Rule(
+        f"a number {low} and < {high:g}",
+        lambda v: _is_number(v) and (v > 0 if open_low else v >= 0) and v < high,
+    )
+
+
 def number_at_least(low: float) -> Rule:
     return Rule(f"a number >= {low:g}", lambda v: _is_number(v) and v >= low)
 
@@ -422,6 +444,11 @@ RULES: dict[str, Rule] = {
     "workers": _workers(),
     "search.sampler": _one_of(SAMPLERS),
     "search.n_trials": _int_in(1),
+    "search.stop": _BOOL,
+    # A margin of 1 (100%) would ask for plans twice as fast: nothing stops on that.
+    "search.stop_margin": _fraction_below(1, open_low=False),
+    "search.stop_probability": _fraction_below(1, open_low=True),
+    "search.min_trials": _int_in(1),
     "search.timeout_s": number_above(0, optional=True),
     # numpy's and Optuna's samplers take seeds in 0..2**32-1.
     "search.seed": _int_in(0, U32_MAX),

@@ -24,7 +24,9 @@ Protocol (a ``multiprocessing`` pipe, pickled values): the worker builds its
 backend once from a picklable factory and answers ``("ready", environment,
 device_profile)`` (or ``("failed", text)``, a run-level ``BackendError``);
 then for each ``("measure", plan, problem)`` it answers ``("result",
-measurement)`` or ``("raised", text)``; ``("stop",)`` ends it. Workers are
+measurement)`` or ``("raised", text)``; ``("prepare", problem)`` gets no answer
+(the worker builds the problem's inputs and references meanwhile);
+``("stop",)`` ends it. Workers are
 started with the ``spawn`` method: a forked child of a process that touched
 CUDA inherits an unusable context. Workers ignore SIGINT (Ctrl-C reaches the
 whole process group; the parent decides), die with their parent on Linux
@@ -156,6 +158,15 @@ class IsolatedBackend(Backend):
 
     # ------------------------------------------------------------------ measuring
 
+    def prepare(self, problem: Problem) -> None:
+        """Ask the worker to prepare ``problem`` and return at once: it does so while this
+        process goes on (compiling, say), and answers the next ``measure`` after it. A
+        failure is left to that ``measure`` (it meets it again and reports it)."""
+        self.start()
+        assert self._conn is not None
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(("prepare", problem))
+
     def measure(self, plan: KernelPlan, problem: Problem) -> Measurement:
         self.start()
         assert self._conn is not None
@@ -244,6 +255,11 @@ def _worker_main(conn: Connection, factory: Callable[[], Backend]) -> None:
                 return
             if message[0] == "stop":
                 return
+            if message[0] == "prepare":
+                # No answer: a failure here meets the next measurement again, which says it.
+                with contextlib.suppress(Exception):
+                    backend.prepare(message[1])
+                continue
             _, plan, problem = message
             try:
                 measurement = backend.measure(plan, problem)

@@ -1,22 +1,28 @@
 """The ``model`` sampler: the cost model's ranking, corrected by what the study has measured.
 
-Each proposal is the unevaluated candidate with the lowest predicted time
-after a learned correction: ``log(predicted) + x . w``, where ``x`` are
-indicator features of the plan (its family, and each of its tunables' values
-within the family, and its split count) and ``w`` is the posterior of a
-Bayesian linear regression of the measured residuals ``log(measured /
-predicted)`` on those features. The prior says the model is right (``w = 0``)
-with a spread per family (``FAMILY_PRIOR``: families differ most, e.g. a
-decode kernel against a prefill kernel at a decode shape) and a smaller one
-per tunable value (``VALUE_PRIOR``). So the first proposal is the model's best
-prediction; a plan measured slower than predicted moves the plans that share
-its values down the ranking, and one measured faster moves them up.
+The correction is ``log(predicted) + x . w``, where ``x`` are indicator
+features of the plan (its family, and each of its tunables' values within the
+family, and its split count) and ``w`` is the posterior of a Bayesian linear
+regression of the measured residuals ``log(measured / predicted)`` on those
+features. The prior says the model is right (``w = 0``) with a spread per
+family (``FAMILY_PRIOR``: families differ most, e.g. a decode kernel against a
+prefill kernel at a decode shape) and a smaller one per tunable value
+(``VALUE_PRIOR``); ``NOISE`` is what no feature explains. A plan measured
+slower than predicted moves the plans that share its values down the ranking,
+and one measured faster moves them up.
 
-Proposals draw ``w`` from the posterior scaled by ``temperature`` (Thompson
-sampling): the seed varies the order among plans the data cannot tell apart,
-and a direction no measurement has tried keeps a chance in proportion to its
-prior. Parallel workers see each other's running trials and never propose
-them.
+Each unmeasured plan's log time then has a posterior predictive normal
+distribution (mean ``log(predicted) + x . mean``, variance ``x Cov x' +
+NOISE^2``), and so a *chance* of beating the best measured time by a margin
+(``ResidualModel.chances``). Before anything is timed the sampler proposes the
+best prediction; after, the plan with the highest chance of beating the best by
+``margin`` (probability of improvement): a near-tie the data cannot tell apart
+and a direction no measurement has tried (its prior spread) both keep a chance,
+and the plan most likely to pay off goes first. The same chances are what the
+stopping rule reads (``tuner.stopping``): the search measures the plan the rule
+is most worried about, and stops when no plan is worth a worry. Proposals are
+deterministic: the data decide, not a seed. Parallel workers see each other's
+running trials and never propose them.
 
 It works on the ``candidate`` encoding (``tuner.study_space``): the proposals
 are plan keys of the feasible table within the traffic cutoff, so a plan the
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,8 +51,9 @@ FAMILY_PRIOR = 0.3
 VALUE_PRIOR = 0.1
 #: standard deviation of a measurement's residual that no feature explains
 NOISE = 0.05
-#: posterior scale of the Thompson draws (1: textbook Thompson sampling; 0: greedy)
-TEMPERATURE = 0.5
+#: the improvement the proposals aim at, as a fraction of the best time (the stopping
+#: rule's margin, ``search.stop_margin``)
+MARGIN = 0.02
 #: the sampler parameter it answers (``StudySpace`` candidate encoding)
 PARAMETER = "candidate"
 
@@ -96,31 +104,93 @@ class ResidualModel:
         """Corrected log predicted time of every plan under correction ``weights``."""
         return self.log_predicted + self.x @ weights
 
-    def propose(
-        self,
-        measured: Mapping[str, float],
-        excluded: set[str],
-        rng: np.random.Generator,
-        temperature: float = TEMPERATURE,
-    ) -> str | None:
-        """The key to measure next: lowest corrected time under a posterior draw."""
-        open_rows = [i for i, key in enumerate(self.keys) if key not in excluded]
-        if not open_rows:
-            return None
+    def predictive(
+        self, measured: Mapping[str, float], rows: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, standard deviation) of the log time of plans ``rows`` given ``measured``."""
         mean, covariance = self.posterior(measured)
-        weights = mean
-        if temperature > 0:
-            weights = rng.multivariate_normal(mean, temperature**2 * covariance, method="cholesky")
-        scores = self.corrected(weights)[open_rows]
-        return self.keys[open_rows[int(np.argmin(scores))]]
+        x = self.x[list(rows)]
+        spread = np.einsum("ij,jk,ik->i", x, covariance, x) + NOISE**2
+        return self.log_predicted[list(rows)] + x @ mean, np.sqrt(spread)
+
+    def chances(
+        self, measured: Mapping[str, float], rows: Sequence[int], margin: float
+    ) -> Chances:
+        """How likely each plan of ``rows`` is to beat the best of ``measured`` by ``margin``.
+
+        ``measured`` must hold a time: the chances are relative to its best.
+        """
+        mean, spread = self.predictive(measured, rows)
+        best_key = min(measured, key=lambda key: (measured[key], key))
+        target = math.log(measured[best_key] / (1.0 + margin))
+        return Chances(
+            keys=[self.keys[i] for i in rows],
+            z=(target - mean) / spread,
+            best_key=best_key,
+            best_ms=measured[best_key],
+            margin=margin,
+        )
+
+    def open_rows(self, excluded: set[str]) -> list[int]:
+        return [i for i, key in enumerate(self.keys) if key not in excluded]
+
+    def propose(
+        self, measured: Mapping[str, float], excluded: set[str], margin: float = MARGIN
+    ) -> str | None:
+        """The key to measure next: the best prediction while nothing is timed, then the
+        plan with the highest chance of beating the best by ``margin``; None if all are
+        excluded."""
+        rows = self.open_rows(excluded)
+        if not rows:
+            return None
+        if not measured:
+            mean, _ = self.posterior(measured)
+            return self.keys[rows[int(np.argmin(self.corrected(mean)[rows]))]]
+        return self.chances(measured, rows, margin).contender
+
+
+@dataclass(frozen=True)
+class Chances:
+    """Per plan, the chance of beating ``best_ms`` by ``margin`` (as a normal z-score)."""
+
+    keys: list[str]
+    #: (log(best / (1 + margin)) - predictive mean) / predictive standard deviation
+    z: np.ndarray
+    best_key: str
+    best_ms: float
+    margin: float
+
+    def chance(self, index: int) -> float:
+        return normal_cdf(float(self.z[index]))
+
+    @property
+    def top(self) -> int | None:
+        """Index of the plan with the highest chance (the first of equals); None if none."""
+        return int(np.argmax(self.z)) if len(self.keys) else None
+
+    @property
+    def contender(self) -> str | None:
+        top = self.top
+        return None if top is None else self.keys[top]
+
+    @property
+    def largest(self) -> float:
+        """The highest chance (0 with no plan left)."""
+        top = self.top
+        return 0.0 if top is None else self.chance(top)
+
+
+def normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 class ModelSampler(optuna.samplers.BaseSampler):
     """Optuna sampler over plan keys, steered by the cost model and the study's measurements.
 
     ``plans``: the candidates it may propose (feasible, within the traffic
-    cutoff), ``predicted_ms`` their predictions. Any other parameter (none in
-    the candidate encoding) falls back to random sampling.
+    cutoff), ``predicted_ms`` their predictions, ``margin`` the improvement its
+    proposals aim at. ``seed`` seeds only the fallback: any other parameter (none
+    in the candidate encoding) is sampled at random.
     """
 
     def __init__(
@@ -128,15 +198,13 @@ class ModelSampler(optuna.samplers.BaseSampler):
         plans: Sequence[KernelPlan],
         predicted_ms: Sequence[float],
         seed: int = 0,
-        temperature: float = TEMPERATURE,
+        margin: float = MARGIN,
     ) -> None:
         self.model = ResidualModel(plans, predicted_ms)
-        self.temperature = temperature
-        self._rng = np.random.default_rng(seed)
+        self.margin = margin
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
 
     def reseed_rng(self) -> None:
-        self._rng = np.random.default_rng()
         self._fallback.reseed_rng()
 
     def infer_relative_search_space(
@@ -159,7 +227,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         if param_name != PARAMETER:
             return self._fallback.sample_independent(study, trial, param_name, param_distribution)
         measured, excluded = study_evidence(study.get_trials(deepcopy=False))
-        key = self.model.propose(measured, excluded, self._rng, self.temperature)
+        key = self.model.propose(measured, excluded, self.margin)
         if key is None:  # everything evaluated: the search stops on its own; any key will do
             return self._fallback.sample_independent(study, trial, param_name, param_distribution)
         return key

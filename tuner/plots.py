@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,17 @@ if TYPE_CHECKING:
 
 def available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def import_ahead() -> None:
+    """Import matplotlib on a thread of its own (half a second), while the run waits on
+    the GPU; the plots at the end then find it loaded. Nothing where it is missing."""
+    if available():
+        threading.Thread(target=_import_figure, name="import-matplotlib", daemon=True).start()
+
+
+def _import_figure() -> None:
+    import matplotlib.figure  # noqa: F401 - the import is the work
 
 
 def write_plots(result: SearchResult, directory: Path, title: str) -> list[Path]:

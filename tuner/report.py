@@ -73,7 +73,11 @@ def summary_lines(result: SearchResult) -> list[str]:
     if failures:
         listed = ", ".join(f"{name} {count}" for name, count in failures.most_common())
         lines.append(f"failures: {listed}")
-    if result.stop_reason:
+    rule = result.stopped_by_rule
+    if rule is not None and result.stop_reason == rule.get("reason"):
+        # "stopped after 6 of 40 trials: no unmeasured plan has more than ..."
+        lines.append(f"stopped {result.stop_reason}")
+    elif result.stop_reason:
         lines.append(f"stopped: {result.stop_reason}")
     rho = model_rank_correlation(result.ranked())
     if rho is not None:

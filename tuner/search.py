@@ -10,8 +10,9 @@ The study lives in Optuna's RDB storage (SQLite by default, see
 1. The cost model's best ``enqueue_top`` candidates (within the traffic
    cutoff, not yet evaluated in this study) are enqueued, best first.
 2. The sampler (``model``: the cost model's ranking corrected by the measured
-   residuals, ``tuner.model_sampler``; ``tpe``: multivariate TPE seeded with
-   ``seed``; ``random``; ``grid``: every feasible candidate once, see
+   residuals, proposing the plan most likely to beat the best by
+   ``stop_margin``, ``tuner.model_sampler``; ``tpe``: multivariate TPE seeded
+   with ``seed``; ``random``; ``grid``: every feasible candidate once, see
    ``tuner.study_space``) proposes.
 3. Each proposal becomes a trial with one ``outcome`` user attribute:
 
@@ -24,7 +25,8 @@ The study lives in Optuna's RDB storage (SQLite by default, see
    skipped       PRUNED       predicted traffic > cutoff x the best  no
    duplicate     as before    already evaluated in this study        no
    duplicate     FAIL         being measured by another worker now   no
-   surplus       FAIL         other workers filled ``n_trials``      no
+   surplus       FAIL         other workers filled ``n_trials``, or  no
+                              the stopping rule fired (``STOPPED``)
    interrupted   FAIL         Ctrl-C during its measurement          no
    ============  ===========  =====================================  =======
 
@@ -35,14 +37,26 @@ The study lives in Optuna's RDB storage (SQLite by default, see
    them is given the best-predicted unevaluated candidate after
    ``FREE_STREAK_LIMIT`` in a row, and the search ends when every candidate
    within the cutoff has been evaluated.
+4. With the model sampler and ``stop`` (the default), the stopping rule
+   (``tuner.stopping``) is asked after each trial: once ``min_trials`` count and
+   no unmeasured plan has a ``stop_probability`` chance of beating the best by
+   ``stop_margin``, the search ends (``n_trials`` stays the cap). The study
+   records the rule (user attribute ``stop_rule``) and its verdict
+   (``stopped``: the trial, the count, the largest chance and its plan, the
+   reason). A study the rule ended stays ended when resumed under the same rule
+   settings; other settings judge it afresh.
 
 Several workers (processes, GPUs, hosts) may run the same study on one
 storage at once (``tuner.workers``); the counting and the "already evaluated
 or being measured" check are made on the shared storage, with the claims of
 ``tuner.claims``, so the study still ends with exactly ``n_trials`` trials that
-count and no plan measured twice. Each worker's sampler has its own seed
-(``seed + worker``), and TPE treats the other workers' running trials as
-"constant liars" so it does not propose them again.
+count (or fewer, by the stopping rule) and no plan measured twice. Each worker
+asks the rule after its trials; the first verdict is recorded in the study,
+and a worker whose claim comes after it gives its trial up (``surplus``,
+``STOPPED``) unmeasured, so no trial starts after the rule fired. Each
+worker's sampler has its own seed (``seed + worker``), and TPE treats the
+other workers' running trials as "constant liars" so it does not propose them
+again; the model sampler never proposes a plan another worker is measuring.
 
 Failures are PRUNED with the constraint ``failed = 1`` rather than FAIL or a
 penalty value: TPE ignores FAIL trials (it would propose the same crash
@@ -71,6 +85,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -80,9 +95,11 @@ from tuner import claims, termination
 from tuner.config import SearchConfig
 from tuner.costmodel import Prediction
 from tuner.errors import ConfigError, TunerError
-from tuner.model_sampler import ModelSampler
+from tuner.model_sampler import ModelSampler, ResidualModel
 from tuner.planner.tunable import KernelPlan
+from tuner.precompile import CompileAhead
 from tuner.problem import Problem
+from tuner.stopping import StoppingRule, Verdict, judge
 from tuner.study_space import Encoding, StudySpace
 from tuner.study_storage import HEARTBEAT_INTERVAL_S, open_storage, storage_url
 from tuner.trials import SearchResult, TrialOutcome
@@ -94,7 +111,49 @@ SAMPLERS = ("model", "tpe", "random", "grid")
 #: hands the sampler the best-predicted candidate it has not evaluated yet
 FREE_STREAK_LIMIT = 25
 
+#: the failure of a plan the compiler ruled out during the search (``CompileAhead``)
+COMPILED_OUT = "COMPILER"
+#: study user attributes: the stopping rule a run used, and its verdict when it fired
+RULE_ATTR = "stop_rule"
+STOPPED_ATTR = "stopped"
+
 Progress = Callable[[TrialOutcome], None]
+
+
+def stopping_rule(settings: SearchConfig) -> StoppingRule | None:
+    """The rule ``settings`` ask for; None when it is off (``rule_off_reason`` says why)."""
+    if not settings.stop or settings.sampler != "model":
+        return None
+    return StoppingRule(settings.stop_margin, settings.stop_probability, settings.min_trials)
+
+
+def recorded_stop(study: optuna.Study, rule: StoppingRule | None) -> dict[str, Any] | None:
+    """The rule's verdict recorded in ``study`` when it was made under ``rule``'s settings."""
+    if rule is None:
+        return None
+    record = study.user_attrs.get(STOPPED_ATTR)
+    if not isinstance(record, dict):
+        return None
+    same = all(record.get(name) == value for name, value in rule.settings().items())
+    return record if same else None
+
+
+def study_stopped_by_rule(
+    storage: BaseStorage, study_name: str, settings: SearchConfig
+) -> dict[str, Any] | None:
+    """``recorded_stop`` of the study ``study_name`` under the rule ``settings`` ask for."""
+    with _quiet_optuna():
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        return recorded_stop(study, stopping_rule(settings))
+
+
+def rule_off_reason(settings: SearchConfig) -> str:
+    if not settings.stop:
+        return "search.stop=false"
+    return (
+        f"search.sampler={settings.sampler}: the stopping rule reads the model sampler's "
+        "posterior, and this sampler runs n_trials"
+    )
 
 
 class _Unmeasured(Exception):
@@ -109,17 +168,19 @@ def make_sampler(
     *,
     parallel: bool = False,
     ranked: Sequence[tuple[KernelPlan, float]] = (),
+    margin: float = SearchConfig.stop_margin,
 ) -> optuna.samplers.BaseSampler:
     """The sampler ``name``; ``parallel``: other workers share the study (TPE then
     counts their running trials as bad, so it does not propose what they measure).
     ``ranked``: the plans the ``model`` sampler may propose with their predicted ms
-    (``allowed_plans``)."""
+    (``allowed_plans``); ``margin``: the improvement its proposals aim at."""
     if name == "model":
         if space.encoding != encoding_for(name):
             raise ConfigError("the model sampler proposes plan keys: give it a candidate space")
         if not ranked:
             ranked = [(plan, 1.0) for plan in space.feasible]
-        return ModelSampler([p for p, _ in ranked], [ms for _, ms in ranked], seed=seed)
+        plans, predicted = [p for p, _ in ranked], [ms for _, ms in ranked]
+        return ModelSampler(plans, predicted, seed=seed, margin=margin)
     if name == "tpe":
         with warnings.catch_warnings():
             # ``group`` is experimental; it is what handles the family-conditional space.
@@ -193,8 +254,10 @@ class _Search:
         predictions: Mapping[str, Prediction],
         study: optuna.Study,
         progress: Progress | None,
+        compile_ahead: CompileAhead | None = None,
     ) -> None:
         self.space = space
+        self.compile_ahead = compile_ahead
         self.backend = backend
         self.settings = settings
         self.predictions = predictions
@@ -202,6 +265,8 @@ class _Search:
         self.progress = progress
         #: the shared study as last read (every worker's trials)
         self.shared = claims.Snapshot()
+        #: plans the compiler ruled out during the search (``compile_ahead``)
+        self.compiled_out: set[str] = set()
         self.deadline: float | None = None
         self.free_streak = 0
         self.new_trials: list[int] = []
@@ -214,6 +279,18 @@ class _Search:
         self.ranked = allowed_plans(space, predictions, settings.traffic_cutoff)
         self.allowed = [plan for plan, _ in self.ranked]
         self.allowed_keys = [plan.key() for plan in self.allowed]
+        self.rule = stopping_rule(settings)
+        #: the regression the rule reads: the model sampler's own, where it runs here
+        self.model: ResidualModel | None = None
+        if self.rule is not None:
+            sampler = study.sampler
+            self.model = (
+                sampler.model
+                if isinstance(sampler, ModelSampler)
+                else ResidualModel(self.allowed, [ms for _, ms in self.ranked])
+            )
+        #: the rule's verdict when it ended the search
+        self.stopped_by_rule: dict[str, Any] | None = None
         self.refresh()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -224,7 +301,13 @@ class _Search:
 
     def refresh(self) -> None:
         """Read the shared study again: what counts, what is evaluated, what is in flight."""
-        self.shared = claims.read(self.study)
+        trials = self.study.get_trials(deepcopy=False)
+        self.shared = claims.snapshot(trials)
+        self.compiled_out = {
+            str(t.user_attrs.get("plan_key"))
+            for t in trials
+            if t.user_attrs.get("failure") == COMPILED_OUT
+        }
 
     @property
     def counted(self) -> int:
@@ -241,11 +324,101 @@ class _Search:
         return [
             plan
             for plan, key in zip(self.allowed, self.allowed_keys, strict=True)
-            if key not in evaluated and key not in busy
+            if key not in evaluated and key not in busy and key not in self.compiled_out
         ]
+
+    def upcoming(self, count: int) -> list[KernelPlan]:
+        """The ``count`` plans the search will most likely measure next: the queued ones,
+        then the model sampler's order (highest chance first), else the predicted order."""
+        waiting = {
+            str((t.system_attrs.get("fixed_params") or {}).get("candidate"))
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        }
+        open_plans = self.unevaluated()
+        queued = [plan for plan in open_plans if plan.key() in waiting]
+        rest = [plan for plan in open_plans if plan.key() not in waiting]
+        sampler = self.study.sampler
+        measured = self.measured()
+        if isinstance(sampler, ModelSampler) and measured and rest:
+            model = sampler.model
+            rows = [model.index[plan.key()] for plan in rest]
+            z = model.chances(measured, rows, sampler.margin).z
+            rest = [rest[i] for i in np.argsort(-z, kind="stable")]
+        return (queued + rest)[:count]
+
+    def compile_upcoming(self) -> None:
+        if self.compile_ahead is not None:
+            self.compile_ahead.request(self.upcoming(self.compile_ahead.window))
 
     def remaining(self) -> int:
         return self.settings.n_trials - self.counted
+
+    # ------------------------------------------------------------------ the stopping rule
+
+    def measured(self) -> dict[str, float]:
+        """Median by plan key of the evaluated plans that have a time."""
+        return {
+            key: float(trial.value)
+            for key, trial in self.evaluated.items()
+            if trial.state == TrialState.COMPLETE
+            and trial.value is not None
+            and math.isfinite(trial.value)
+            and trial.value > 0
+        }
+
+    def verdict(self) -> Verdict | None:
+        """The rule's answer on the shared study as last read; None where the rule is off."""
+        if self.rule is None or self.model is None:
+            return None
+        unmeasured = [plan.key() for plan in self.unevaluated()]
+        return judge(self.rule, self.model, self.measured(), unmeasured, self.counted)
+
+    def record_stop(self, verdict: Verdict, trial: int | None) -> str:
+        """Write the verdict into the study (the first worker's stays) and say why it stops."""
+        assert self.rule is not None
+        n_trials = self.settings.n_trials
+        contender = (
+            f" (the largest: {verdict.chance:.1%}, {verdict.contender})"
+            if verdict.contender is not None
+            else ""
+        )
+        reason = (
+            f"after {verdict.counted} of {n_trials} trials: {self.rule.describe()}{contender}"
+        )
+        record = self.rule.settings() | {
+            "n_trials": n_trials,
+            "trial": trial,
+            "counted": verdict.counted,
+            "chance": verdict.chance,
+            "contender": verdict.contender,
+            "best": verdict.best_key,
+            "best_ms": verdict.best_ms,
+            "reason": reason,
+        }
+        earlier = self.recorded_stop()  # another worker's verdict on the same data stays
+        if earlier is None:
+            self.study.set_user_attr(STOPPED_ATTR, record)
+        else:
+            record = earlier
+        self.stopped_by_rule = record
+        return str(record.get("reason", reason))
+
+    def recorded_stop(self) -> dict[str, Any] | None:
+        """The rule's record in the study when it was made under this run's rule settings."""
+        if self.rule is None:
+            return None
+        return recorded_stop(self.study, self.rule)
+
+    def record_rule(self) -> None:
+        """Say in the study which rule this run stops by (or why none)."""
+        settings = self.settings
+        described: dict[str, Any] = {"n_trials": settings.n_trials}
+        if self.rule is not None:
+            described |= self.rule.settings()
+        else:
+            described |= {"rule": "off", "why": rule_off_reason(settings)}
+        if self.study.user_attrs.get(RULE_ATTR) != described:
+            self.study.set_user_attr(RULE_ATTR, described)
 
     def enqueue_top(self) -> list[str]:
         """The top of the whole ranking: a resumed study does not enqueue the next ones."""
@@ -293,6 +466,11 @@ class _Search:
                 f"{self.settings.traffic_cutoff:g} x the best candidate's"
             )
             return self._prune(trial, attrs, "TRAFFIC_CUTOFF", reason)
+        if self.compile_ahead is not None:
+            judged = self.compile_ahead.judged(plan)
+            if not judged.feasible:
+                attrs["outcome"] = "infeasible"
+                return self._prune(trial, attrs, COMPILED_OUT, judged.reason)
         claim = claims.acquire(
             self.study,
             trial,
@@ -303,6 +481,12 @@ class _Search:
         )
         if claim.verdict is not claims.Verdict.GO:
             return self._not_measured(trial, attrs, claim)
+        stopped = self.recorded_stop()
+        if stopped is not None:  # another worker's trial made the rule fire
+            trial.set_user_attr(claims.CLAIM_ATTR, None)
+            detail = f"the stopping rule ended the study after trial {stopped.get('trial')}"
+            _write(trial, attrs | {"outcome": "surplus", "failure": "STOPPED", "detail": detail})
+            raise _Unmeasured(detail)
         self.measuring = True
         try:
             measurement = self.backend.measure(plan, self.space.problem)
@@ -390,11 +574,18 @@ class _Search:
             self.stop_reason = "every candidate within the traffic cutoff is evaluated"
             if self.shared.in_flight:
                 self.stop_reason += " or being measured by another worker"
+        elif (stopped := self.recorded_stop()) is not None:
+            self.stopped_by_rule = stopped
+            self.stop_reason = str(stopped.get("reason", "the stopping rule fired"))
+        elif (verdict := self.verdict()) is not None and verdict.stop:
+            self.stop_reason = self.record_stop(verdict, trial.number)
         elif self.free_streak >= FREE_STREAK_LIMIT:
             self.enqueue(self.unevaluated()[:1], "fallback: sampler repeated itself")
             self.free_streak = 0
         if self.stop_reason:
             study.stop()
+        else:
+            self.compile_upcoming()
 
     # ------------------------------------------------------------------ Ctrl-C
 
@@ -485,6 +676,7 @@ def run_search(
     worker: int = 0,
     parallel: bool = False,
     enqueue: bool = True,
+    compile_ahead: CompileAhead | None = None,
 ) -> SearchResult:
     """Run (or continue) the study ``study_name`` until ``settings.n_trials`` count.
 
@@ -498,6 +690,10 @@ def run_search(
     its own ``worker`` number (its sampler's seed is ``seed + worker``) and
     ``parallel=True``; ``enqueue=False`` where the study was prepared once with
     ``prepare_study`` (so the workers do not each queue the cost model's top).
+
+    ``compile_ahead``: the plans are compiled a window ahead of the search, and
+    each is judged by the compiler before it is measured (``tuner.precompile``);
+    without it they were compiled and judged before (or the backend needs none).
     """
     if isinstance(storage, str):
         storage = open_storage(
@@ -516,17 +712,20 @@ def run_search(
                 space,
                 parallel=parallel,
                 ranked=allowed_plans(space, predictions, settings.traffic_cutoff),
+                margin=settings.stop_margin,
             ),
             load_if_exists=True,
         )
         # Trials of a killed run: failed (and queued again) before anything is counted.
         claims.fail_stale(study)
-        search = _Search(space, backend, settings, predictions, study, progress)
+        search = _Search(space, backend, settings, predictions, study, progress, compile_ahead)
         result = _empty_result(search, study_name, storage)
+        search.record_rule()
         search.stop_reason = _nothing_left(search)
         if not search.stop_reason:
             if enqueue:
                 result.enqueued = search.enqueue_top()
+            search.compile_upcoming()
             if on_start is not None:
                 on_start(search.counted, settings.n_trials)
             started = time.monotonic()
@@ -552,6 +751,7 @@ def run_search(
         result.trials = [outcome_of(t) for t in study.get_trials(deepcopy=False)]
     result.new_trials = search.new_trials
     result.stop_reason = search.stop_reason
+    result.stopped_by_rule = search.stopped_by_rule
     return result
 
 
@@ -575,7 +775,9 @@ def prepare_study(
         claims.fail_stale(study)
         search = _Search(space, _NoBackend(), settings, predictions, study, None)
         result = _empty_result(search, study_name, storage)
+        search.record_rule()
         result.stop_reason = _nothing_left(search)
+        result.stopped_by_rule = search.stopped_by_rule
         if not result.stop_reason:
             result.enqueued = search.enqueue_top()
         return result, search.counted
@@ -591,11 +793,26 @@ def _empty_result(search: _Search, study_name: str, storage: BaseStorage) -> Sea
 
 
 def _nothing_left(search: _Search) -> str:
-    """Why a study has nothing to do before it starts; "" when it has."""
+    """Why a study has nothing to do before it starts; "" when it has.
+
+    A study the stopping rule ended stays ended under the same rule settings
+    (whatever ``n_trials`` says: the cap did not end it); other settings judge
+    the study afresh, and may end it at once.
+    """
     if search.remaining() <= 0:
         return f"n_trials={search.settings.n_trials} already reached"
     if not search.unevaluated():
         return "every candidate within the traffic cutoff is evaluated"
+    stopped = search.recorded_stop()
+    if stopped is not None:
+        search.stopped_by_rule = stopped
+        return (
+            f"the stopping rule ended this study earlier, {stopped.get('reason')}; other "
+            "search.stop, stop_margin, stop_probability or min_trials settings go on"
+        )
+    verdict = search.verdict()
+    if verdict is not None and verdict.stop:
+        return search.record_stop(verdict, None)
     return ""
 
 

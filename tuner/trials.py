@@ -95,6 +95,8 @@ class SearchResult:
     #: feasible candidates never measured because of the traffic cutoff
     over_cutoff: int = 0
     enqueued: list[str] = field(default_factory=list)
+    #: the stopping rule's record (``tuner.search.STOPPED_ATTR``) where it ended the search
+    stopped_by_rule: dict[str, Any] | None = None
 
     @property
     def new_measurements(self) -> int:

@@ -414,6 +414,7 @@ def _worker_main(
         try:
             if job.environment is not None:
                 _check_environment(backend, job.environment, gpu)
+            backend.prepare(job.space.problem)  # meanwhile, the storage and the study
             storage = open_storage(
                 job.storage_url,
                 heartbeat_interval_s=job.settings.heartbeat_interval_s,
@@ -470,7 +471,7 @@ def search_with_workers(
     on_start: Callable[[int, int], None] | None = None,
 ) -> tuple[SearchResult, WorkersOutcome | None]:
     """Prepare the study once, run the workers on it, and read the whole study back."""
-    from tuner.search import prepare_study, study_trials
+    from tuner.search import prepare_study, study_stopped_by_rule, study_trials
 
     result, counted = prepare_study(
         job.space,
@@ -491,6 +492,11 @@ def search_with_workers(
     n_trials = job.settings.n_trials
     if outcome is not None and result.counted >= n_trials:
         result.stop_reason = f"n_trials={n_trials} reached"
+    stopped = study_stopped_by_rule(storage, job.study_name, job.settings)
+    if outcome is not None and stopped is not None:
+        # Whichever worker's trial made the rule fire, the study holds its verdict.
+        result.stopped_by_rule = stopped
+        result.stop_reason = str(stopped.get("reason"))
     if result.interrupted:
         result.stop_reason = f"interrupted ({termination.cause()})"
     return result, outcome

@@ -76,5 +76,9 @@ class Backend(ABC):
         """Facts about where measurements come from (GPU name, versions...)."""
         return {}
 
+    def prepare(self, problem: Problem) -> None:  # noqa: B027 - optional hook
+        """Get ready to measure plans of ``problem`` (inputs, references) ahead of the
+        first ``measure``, which does it otherwise; an error here is ``measure``'s."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend holds (contexts, worker processes)."""

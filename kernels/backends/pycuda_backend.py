@@ -337,6 +337,12 @@ class PyCudaBackend(Backend):
                 self._lose(fault)
                 return Measurement.failed(Failure.RUNTIME_DEVICE, str(fault))
 
+    def prepare(self, problem: Problem) -> None:
+        """Inputs on the device and the CPU reference of ``problem``, built now: the first
+        measurement of a large problem otherwise spends seconds on them."""
+        with self.active() as drv:
+            self._problem_state(drv, problem)
+
     def inputs(self, problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The host copies of the problem's inputs (q as ``[batch*heads, seq_len, head_dim]``,
         k and v as ``[batch*kv_heads, kv_len, head_dim]``, float32: the values of the inputs
