@@ -12,6 +12,13 @@ warning that says so; so is a registry that was asked for but could not be opene
 file, a server that does not answer: ``registry_unavailable`` says why). Warnings go to the
 ``kernels.attention`` logger, once per shape (and dtype).
 
+Problems that differ only in ``kv_len`` (the KV buckets of one layer's decode steps,
+``kernels.kv_buckets.length_family``) share kernels: a problem with no registry plan whose
+family already has a chosen plan keeps that plan's kernel (no compile, no full candidate
+space) and takes the split partition the cost model ranks best among that kernel's launch
+choices at its length (``tuner.planner.kernel_variant.launch_choices``: a handful of plans,
+well under a millisecond), falling back to the whole space only when none is feasible.
+
 Pure apart from the injected ``check`` (on a GPU: compile and judge the compiler's resources)
 and the registry handle, so it is tested without a GPU.
 """
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kernels import build
+from kernels.kv_buckets import length_family
 from tuner.costmodel import predict_time_ms
 from tuner.data_dir import default_registry_file
 from tuner.device import DeviceProfile
@@ -32,6 +40,7 @@ from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_named, family_names
+from tuner.planner.kernel_variant import launch_choices
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
 from tuner.problem import Problem
@@ -122,6 +131,8 @@ class PlanChooser:
         #: why the registry asked for could not be opened (then ``registry`` is None)
         self.registry_unavailable = registry_unavailable
         self._plans: dict[Problem, ChosenPlan] = {}
+        #: the last plan chosen for each length family (problems differing only in kv_len)
+        self._families: dict[tuple[object, ...], ChosenPlan] = {}
         self._lock = threading.Lock()
 
     def plan_for(self, problem: Problem) -> ChosenPlan:
@@ -131,6 +142,7 @@ class PlanChooser:
                 chosen = self._plans.get(problem)
                 if chosen is None:
                     chosen = self._plans[problem] = self._choose(problem)
+                    self._families[length_family(problem)] = chosen
         return chosen
 
     def _choose(self, problem: Problem) -> ChosenPlan:
@@ -149,11 +161,19 @@ class PlanChooser:
                     )
                 return ChosenPlan(plan, "registry", stored, notes)
             why = f"the registry's plan for {problem.label()} cannot run here: {plan}"
-        plan = self._default(problem)
+        sibling = self._families.get(length_family(problem))
+        plan = self._same_kernel_default(problem, sibling) if sibling else None
+        if plan is not None and sibling is not None:
+            how = (
+                f"the kernel of {sibling.plan.key()} (chosen for {sibling.plan.problem.label()}) "
+                f"with the cost model's best split partition at kv_len={problem.kv_len}"
+            )
+        else:
+            plan = self._default(problem)
+            how = f"the cost model's best for {problem.dtype}"
         note = (
-            f"{why}; falling back to the planner's default plan {plan.key()}, the cost model's "
-            f"best for {problem.dtype} (predicted {predict_time_ms(plan, self.device):.3f} ms on "
-            f"{self.device.name})"
+            f"{why}; falling back to the planner's default plan {plan.key()}, {how} (predicted "
+            f"{predict_time_ms(plan, self.device):.3f} ms on {self.device.name})"
         )
         logger.warning(note)
         return ChosenPlan(plan, "default", None, (note,))
@@ -246,6 +266,16 @@ class PlanChooser:
                 "using it"
             )
         return tuple(notes)
+
+    def _same_kernel_default(self, problem: Problem, sibling: ChosenPlan) -> KernelPlan | None:
+        """The best-predicted plan of ``problem`` launching ``sibling``'s kernel that passes
+        ``check`` (a compile cache hit), or None."""
+        choices = launch_choices(problem, sibling.plan, self.device)
+        for plan in sorted(choices, key=lambda plan: predict_time_ms(plan, self.device)):
+            checked = self._check(plan)
+            if isinstance(checked, KernelPlan):
+                return checked
+        return None
 
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)

@@ -19,6 +19,14 @@ device's primary context, the one torch and the CUDA runtime use:
 Every dtype takes the same path: the problem carries the inputs' dtype, the chooser picks among
 the families that take it, and the plan's family says the buffers (``buffer_elements``: the
 split scratch is float32 whatever the dtype) and the launches (``launch_sequence``).
+
+KV lengths are run-time data (``kernels.kv_buckets``): a problem against a KV cache has its
+plan chosen for its bucket (the registry asked once per bucket, the kernels compiled and loaded
+once per kernel variant), and its handle is that plan at the exact length
+(``tuner.planner.kernel_variant.plan_at``: the family's split rule, about 15 us, no cost model)
+with the launches packed for it and the bucket's split scratch; a new length costs about a
+tenth of a millisecond on the host, once. Handles are kept for the ``HANDLE_CACHE`` problems met
+last, so a server meeting every length of a long cache holds a bounded number.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +50,18 @@ from kernels.attention_args import (
 from kernels.backends.attention_handle import (
     BUFFER_MARKERS,
     AttentionHandle,
+    SplitScratch,
     launch_templates,
 )
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.cuda_driver import CudaDriver
+from kernels.kv_buckets import bucket_of
 from kernels.launch import buffer_elements, launch_sequence
-from kernels.plan_choice import PlanChooser
+from kernels.plan_choice import ChosenPlan, PlanChooser, logger
 from kernels.variant_args import VariantArgs
 from tuner.environment import Environment
 from tuner.errors import BackendError
+from tuner.planner.kernel_variant import plan_at
 from tuner.planner.launches import scale_log2
 from tuner.planner.tunable import KernelPlan
 from tuner.problem import Problem
@@ -59,6 +71,8 @@ LEGACY_STREAM = 0
 #: interface stream values our legacy-stream launch is already ordered after (None: no producer
 #: stream; 1: legacy default; 2: per-thread default, which syncs with the legacy one)
 ORDERED_STREAMS = (None, 1, 2)
+#: handles a runner keeps (the problems met last); an older one is made again if met again
+HANDLE_CACHE = 1024
 
 
 class DeviceRunner:
@@ -97,11 +111,17 @@ class DeviceRunner:
         self._compiled: dict[str, build.CompiledKernel] = {}
         self._modules: dict[str, tuple[int, dict[str, int]]] = {}  # compile key -> functions
         self._handles: dict[Problem, AttentionHandle] = {}
+        #: the split scratch of each KV bucket's handles (``kernels.kv_buckets``)
+        self._bucket_scratch: dict[Problem, SplitScratch] = {}
         self._lock = threading.Lock()
         with self.backend.active():
             self.context = current_context()
 
     def _check(self, plan: KernelPlan) -> KernelPlan | str:
+        known = self._compiled.get(build.KernelSpec.from_plan(plan).key)
+        if known is not None:  # a variant compiled here before: judged without the disk
+            judged = plan.with_resources(known.primary_resources, self.profile)
+            return judged if judged.feasible else judged.reason
         try:
             compiled = build.compile_kernel(plan, self.backend.cache_dir, arch=self.profile.arch)
         except BackendError as error:  # not cached and no nvcc: another plan may be cached
@@ -122,10 +142,33 @@ class DeviceRunner:
                 found = self._handles.get(problem)
                 if found is None:
                     found = self._handles[problem] = self._resolve(problem)
+                    if len(self._handles) > HANDLE_CACHE:
+                        del self._handles[next(iter(self._handles))]  # the oldest
         return found
 
+    def _chosen(self, problem: Problem) -> tuple[ChosenPlan, SplitScratch | None]:
+        """The plan of ``problem``: its bucket's at its exact KV length, with the bucket's
+        split scratch (``None`` for a problem that is its own bucket: a scratch of its own)."""
+        bucket = bucket_of(problem)
+        if bucket == problem:
+            return self.chooser.plan_for(problem), None
+        chosen = self.chooser.plan_for(bucket)
+        exact = plan_at(chosen.plan, problem, self.profile)
+        if isinstance(exact, str):  # a kernel that changes with kv_len: a plan of its own
+            logger.warning(
+                "the plan of KV bucket %s cannot serve %s (%s); choosing one for it alone",
+                bucket.label(),
+                problem.label(),
+                exact,
+            )
+            return self.chooser.plan_for(problem), None
+        scratch = self._bucket_scratch.get(bucket)
+        if scratch is None:
+            scratch = self._bucket_scratch[bucket] = SplitScratch(buffer_elements(chosen.plan))
+        return replace(chosen, plan=exact), scratch
+
     def _resolve(self, problem: Problem) -> AttentionHandle:
-        chosen = self.chooser.plan_for(problem)
+        chosen, scratch = self._chosen(problem)
         plan = chosen.plan
         key = build.KernelSpec.from_plan(plan).key
         compiled = self._compiled.get(key)
@@ -156,6 +199,7 @@ class DeviceRunner:
             buffer_elements(plan),
             self.driver,
             self.context,
+            scratch,
         )
 
     def run_arrays(
@@ -208,6 +252,9 @@ class DeviceRunner:
             for handle in self._handles.values():
                 handle.close()  # frees scratch while the context is current
             self._handles.clear()
+            for scratch in self._bucket_scratch.values():
+                scratch.close()
+            self._bucket_scratch.clear()
             for module, _ in self._modules.values():
                 self.driver.unload_module(module)
             self._modules.clear()
