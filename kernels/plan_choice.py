@@ -14,10 +14,12 @@ file, a server that does not answer: ``registry_unavailable`` says why). Warning
 
 Problems that differ only in ``kv_len`` (the KV buckets of one layer's decode steps,
 ``kernels.kv_buckets.length_family``) share kernels: a problem with no registry plan whose
-family already has a chosen plan keeps that plan's kernel (no compile, no full candidate
-space) and takes the split partition the cost model ranks best among that kernel's launch
-choices at its length (``tuner.planner.kernel_variant.launch_choices``: a handful of plans,
-well under a millisecond), falling back to the whole space only when none is feasible.
+family has a plan chosen at half or twice its ``kv_len`` (the bucket a growing cache has just
+left) keeps that plan's kernel (no compile, no full candidate space) and takes the split
+partition the cost model ranks best among that kernel's launch choices at its length
+(``tuner.planner.kernel_variant.launch_choices``: a handful of plans, about a millisecond),
+falling back to the whole space when there is no such neighbour or none of its choices is
+feasible. A kernel chosen for 64 keys is not kept for 4096: only a neighbour's is.
 
 Pure apart from the injected ``check`` (on a GPU: compile and judge the compiler's resources)
 and the registry handle, so it is tested without a GPU.
@@ -131,8 +133,8 @@ class PlanChooser:
         #: why the registry asked for could not be opened (then ``registry`` is None)
         self.registry_unavailable = registry_unavailable
         self._plans: dict[Problem, ChosenPlan] = {}
-        #: the last plan chosen for each length family (problems differing only in kv_len)
-        self._families: dict[tuple[object, ...], ChosenPlan] = {}
+        #: the plans chosen in each length family (problems differing only in kv_len), by kv_len
+        self._families: dict[tuple[object, ...], dict[int, ChosenPlan]] = {}
         self._lock = threading.Lock()
 
     def plan_for(self, problem: Problem) -> ChosenPlan:
@@ -142,7 +144,8 @@ class PlanChooser:
                 chosen = self._plans.get(problem)
                 if chosen is None:
                     chosen = self._plans[problem] = self._choose(problem)
-                    self._families[length_family(problem)] = chosen
+                    family = self._families.setdefault(length_family(problem), {})
+                    family[problem.kv_len] = chosen
         return chosen
 
     def _choose(self, problem: Problem) -> ChosenPlan:
@@ -161,7 +164,7 @@ class PlanChooser:
                     )
                 return ChosenPlan(plan, "registry", stored, notes)
             why = f"the registry's plan for {problem.label()} cannot run here: {plan}"
-        sibling = self._families.get(length_family(problem))
+        sibling = self._neighbour(problem)
         plan = self._same_kernel_default(problem, sibling) if sibling else None
         if plan is not None and sibling is not None:
             how = (
@@ -266,6 +269,11 @@ class PlanChooser:
                 "using it"
             )
         return tuple(notes)
+
+    def _neighbour(self, problem: Problem) -> ChosenPlan | None:
+        """The plan chosen for ``problem`` at half or twice its ``kv_len``, if any."""
+        family = self._families.get(length_family(problem), {})
+        return family.get(problem.kv_len // 2) or family.get(problem.kv_len * 2)
 
     def _same_kernel_default(self, problem: Problem, sibling: ChosenPlan) -> KernelPlan | None:
         """The best-predicted plan of ``problem`` launching ``sibling``'s kernel that passes
