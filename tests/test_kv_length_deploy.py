@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from test_attention import (
+    ENV,
     HALF_KERNELS,
     CountingRegistry,
     FakeTensor,
@@ -38,6 +39,7 @@ from kernels.backends import pycuda_attention
 from kernels.bfloat16 import from_bfloat16, to_bfloat16
 from kernels.kv_buckets import bucket_of
 from kernels.reference import attention_reference
+from tuner.device import H200
 from tuner.problem import Problem
 
 #: 8 query heads on 2 KV heads, one query row: the decode step of a small GQA layer
@@ -200,3 +202,19 @@ def test_a_bucket_with_a_registry_plan_serves_it_at_every_length(
         assert chosen.origin == "registry" and chosen.plan.params.tunables == stored
         assert chosen.plan.problem.kv_len == kv_len and chosen.plan.sequence_splits <= 4
     assert counting.calls == 1  # the bucket, found for this GPU: once
+
+
+def test_only_a_neighbouring_bucket_lends_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket at half or twice a chosen one's kv_len keeps that kernel; one further away
+    gets the whole candidate space (a kernel chosen for 64 keys is not one for 1024)."""
+    counts = Counts(monkeypatch)
+    chooser = plan_choice.PlanChooser(None, ENV, H200)
+    for kv_len, spaces in ((64, 1), (1024, 2), (2048, 2), (512, 2), (8192, 3)):
+        chosen = chooser.plan_for(replace(STEP, kv_len=kv_len))
+        assert counts.spaces == spaces, kv_len
+        assert chosen.origin == "default" and chosen.plan.problem.kv_len == kv_len
+    defines = {
+        n: chooser.plan_for(replace(STEP, kv_len=n)).plan.compile_defines()
+        for n in (512, 1024, 2048)
+    }
+    assert defines[512] == defines[1024] == defines[2048]
