@@ -120,7 +120,7 @@ def build(architecture: str, implementations: list[str], device: str = "cuda") -
             )
             if models:  # the first model's weights, everywhere
                 model.load_state_dict(next(iter(models.values())).state_dict())
-            models[name] = model.eval()
+            models[name] = model.to(device).eval()
     for name, model in models.items():
         wanted = "eager" if name == "reference" else name
         if model.config._attn_implementation != wanted:
@@ -305,10 +305,11 @@ def served_plans() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- precompile
 
 
-def posed_problems(architecture: str) -> list[Problem]:
+def posed_problems(architecture: str, warm_up: bool = True) -> list[Problem]:
     """The attention problems a run above poses, in the order it poses them: per pass
     (warm-up, then the timed prompt) the prefill of each layer kind, the decode problem each
-    prefill prepares, then every decode step's."""
+    prefill prepares, then every decode step's. ``warm_up=False``: the order of
+    ``tests/test_gpu_transformers.py``, which has no warm-up pass."""
     config = model_config(architecture)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.head_dim
@@ -325,7 +326,8 @@ def posed_problems(architecture: str) -> list[Problem]:
             softcap=softcap,
         )
 
-    for prompt, tokens in ((WARM_UP_PROMPT, WARM_UP_TOKENS), (PROMPT, NEW_TOKENS)):
+    passes = [(WARM_UP_PROMPT, WARM_UP_TOKENS)] if warm_up else []
+    for prompt, tokens in [*passes, (PROMPT, NEW_TOKENS)]:
         for sliding in kinds:
             kept = min(prompt, window - 1) if sliding else prompt
             problems += [problem(prompt, prompt, sliding), problem(1, kept + 1, sliding)]
@@ -360,17 +362,17 @@ def precompile(cache_dir: Path) -> list[dict[str, Any]]:
     environment = Environment("NVIDIA H200", "9.0", H200.sm_count, "", "", "", "")
     rows = []
     for architecture in ARCHITECTURES:
-        chooser = PlanChooser(None, environment, H200, check=check)
-        seen: set[Problem] = set()
-        for problem in posed_problems(architecture):
-            bucket = bucket_of(problem)
-            if bucket in seen:
-                continue
-            seen.add(bucket)
-            chosen = chooser.plan_for(bucket)
-            rows.append(
-                {"architecture": architecture, "bucket": bucket.label(), "plan": chosen.plan.key()}
-            )
+        for warm_up in (True, False):  # the benchmark's order, then the GPU test's
+            chooser = PlanChooser(None, environment, H200, check=check)
+            seen: set[Problem] = set()
+            for problem in posed_problems(architecture, warm_up):
+                bucket = bucket_of(problem)
+                if bucket in seen:
+                    continue
+                seen.add(bucket)
+                chosen = chooser.plan_for(bucket)
+                row = {"architecture": architecture, "bucket": bucket.label()}
+                rows.append(row | {"plan": chosen.plan.key(), "warm_up": warm_up})
     return rows
 
 
@@ -443,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.precompile is not None:
         for row in precompile(args.precompile):
-            print(f"{row['architecture']}: {row['bucket']}: {row['plan']}")
+            order = "benchmark" if row["warm_up"] else "GPU test"
+            print(f"{row['architecture']} ({order}): {row['bucket']}: {row['plan']}")
         return 0
     results = run(args.architectures, args.registry)
     args.out.parent.mkdir(parents=True, exist_ok=True)

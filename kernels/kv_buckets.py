@@ -27,7 +27,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tuner.planner.kernel_variant import length_family
 from tuner.problem import Problem
+
+__all__ = ["MIN_KV_BUCKET", "bucket_of", "kv_bucket", "length_family"]
 
 #: the smallest KV bucket: shorter caches share the plan of 64 keys
 MIN_KV_BUCKET = 64
@@ -47,23 +50,3 @@ def bucket_of(problem: Problem) -> Problem:
         return problem
     bucket = kv_bucket(problem.kv_len)
     return problem if bucket == problem.kv_len else replace(problem, kv_len=bucket)
-
-
-def length_family(problem: Problem) -> tuple[object, ...]:
-    """What problems of one family share: every field of the problem but ``kv_len``."""
-    p = problem
-    return (
-        p.seq_len,
-        p.head_dim,
-        p.batch,
-        p.heads,
-        p.kv_heads,
-        p.causal,
-        p.dtype,
-        p.precision,
-        p.window_left,
-        p.window_right,
-        p.softcap,
-        p.alibi,
-        p.sinks,
-    )

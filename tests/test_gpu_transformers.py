@@ -122,8 +122,11 @@ def architecture(request: pytest.FixtureRequest, bench: Any) -> Any:
     its peer's name and the plans chosen before it was built."""
     import torch
 
+    import kernels.transformers_attention as tuned
+
     name = request.param
     peer = bench.PEERS[name]
+    tuned.register(bench.NAME, nearest=True)  # a fresh instance: it logs each fallback anew
     recorder = register_recorder(peer)
     models = bench.build(name, [bench.NAME, peer, RECORDED])
     models[RECORDED].recorder = recorder

@@ -167,9 +167,9 @@ def test_a_sweep_of_new_kv_lengths_resolves_and_compiles_once_per_bucket(
     # The split scratch: per bucket whose plan splits, on the one stream used; never per length.
     runner = attend._runners[0]
     split_buckets = [b for b in buckets if attend.plan_for(b).plan.sequence_splits > 1]
-    assert split_buckets and set(runner._bucket_scratch) == buckets
+    assert split_buckets and set(runner._buckets) == buckets
     for bucket in split_buckets:
-        assert list(runner._bucket_scratch[bucket]._streams) == [0]
+        assert list(runner._buckets[bucket][0]._streams) == [0]
     # A second pass: every length known, no handle made, no lookup, the fast path.
     before = (counts.handles, counting.calls, decode_gpu.loads, decode_gpu.allocations)
     for kv_len in SWEEP[::7]:

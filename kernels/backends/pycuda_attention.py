@@ -111,8 +111,10 @@ class DeviceRunner:
         self._compiled: dict[str, build.CompiledKernel] = {}
         self._modules: dict[str, tuple[int, dict[str, int]]] = {}  # compile key -> functions
         self._handles: dict[Problem, AttentionHandle] = {}
-        #: the split scratch of each KV bucket's handles (``kernels.kv_buckets``)
-        self._bucket_scratch: dict[Problem, SplitScratch] = {}
+        #: each KV bucket's split scratch and compile key, for its handles (``kernels.kv_buckets``)
+        self._buckets: dict[Problem, tuple[SplitScratch, str]] = {}
+        #: (function, bytes) whose dynamic shared memory was opted in: a function attribute
+        self._opted_in: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         with self.backend.active():
             self.context = current_context()
@@ -146,12 +148,14 @@ class DeviceRunner:
                         del self._handles[next(iter(self._handles))]  # the oldest
         return found
 
-    def _chosen(self, problem: Problem) -> tuple[ChosenPlan, SplitScratch | None]:
+    def _chosen(self, problem: Problem) -> tuple[ChosenPlan, SplitScratch | None, str]:
         """The plan of ``problem``: its bucket's at its exact KV length, with the bucket's
-        split scratch (``None`` for a problem that is its own bucket: a scratch of its own)."""
+        split scratch (``None`` for a problem that is its own bucket: a scratch of its own),
+        and its compile key."""
         bucket = bucket_of(problem)
         if bucket == problem:
-            return self.chooser.plan_for(problem), None
+            chosen = self.chooser.plan_for(problem)
+            return chosen, None, build.KernelSpec.from_plan(chosen.plan).key
         chosen = self.chooser.plan_for(bucket)
         exact = plan_at(chosen.plan, problem, self.profile)
         if isinstance(exact, str):  # a kernel that changes with kv_len: a plan of its own
@@ -161,16 +165,17 @@ class DeviceRunner:
                 problem.label(),
                 exact,
             )
-            return self.chooser.plan_for(problem), None
-        scratch = self._bucket_scratch.get(bucket)
-        if scratch is None:
-            scratch = self._bucket_scratch[bucket] = SplitScratch(buffer_elements(chosen.plan))
-        return replace(chosen, plan=exact), scratch
+            alone = self.chooser.plan_for(problem)
+            return alone, None, build.KernelSpec.from_plan(alone.plan).key
+        found = self._buckets.get(bucket)
+        if found is None:
+            scratch = SplitScratch(buffer_elements(chosen.plan))
+            found = self._buckets[bucket] = (scratch, build.KernelSpec.from_plan(chosen.plan).key)
+        return replace(chosen, plan=exact), *found
 
     def _resolve(self, problem: Problem) -> AttentionHandle:
-        chosen, scratch = self._chosen(problem)
+        chosen, scratch, key = self._chosen(problem)
         plan = chosen.plan
-        key = build.KernelSpec.from_plan(plan).key
         compiled = self._compiled.get(key)
         if compiled is None:  # the chooser's check keeps it; compile (a cache hit) if not
             checked = self._check(plan)
@@ -187,10 +192,12 @@ class DeviceRunner:
                 loaded = self._modules[key] = (module, functions)
             functions = loaded[1]
             for launch in launches:
-                if launch.needs_shared_opt_in:  # a function attribute: set once, kept
-                    self.driver.set_max_dynamic_shared(
-                        functions[launch.function], launch.shared_bytes
-                    )
+                function = functions[launch.function]
+                opt_in = (function, launch.shared_bytes)
+                if launch.needs_shared_opt_in and opt_in not in self._opted_in:
+                    # a function attribute: set once, kept
+                    self.driver.set_max_dynamic_shared(function, launch.shared_bytes)
+                    self._opted_in.add(opt_in)
         return AttentionHandle(
             problem,
             self.index,
@@ -252,9 +259,10 @@ class DeviceRunner:
             for handle in self._handles.values():
                 handle.close()  # frees scratch while the context is current
             self._handles.clear()
-            for scratch in self._bucket_scratch.values():
+            for scratch, _ in self._buckets.values():
                 scratch.close()
-            self._bucket_scratch.clear()
+            self._buckets.clear()
+            self._opted_in.clear()
             for module, _ in self._modules.values():
                 self.driver.unload_module(module)
             self._modules.clear()

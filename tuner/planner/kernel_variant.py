@@ -31,7 +31,7 @@ from dataclasses import replace
 from tuner.device import DeviceProfile
 from tuner.planner.families.base import KernelFamily, Tunable
 from tuner.planner.params import KernelParams
-from tuner.planner.plan import KernelPlan
+from tuner.planner.plan import KernelPlan, occupancy_and_waves
 from tuner.planner.tunable import plan_kernel
 from tuner.problem import Problem
 
@@ -53,22 +53,34 @@ def _scratch_fits(plan: KernelPlan, within: KernelPlan) -> bool:
     return needed.partial_o <= held.partial_o and needed.partial_ml <= held.partial_ml
 
 
-def _other_lengths_only(problem: Problem, of: Problem) -> str:
-    """Why ``problem`` is not ``of`` at another, not longer, ``kv_len`` ("" when it is)."""
-    if replace(of, kv_len=problem.kv_len) != problem:
-        return f"{problem.label()} is not {of.label()} at another kv_len"
-    if problem.kv_len > of.kv_len:
-        return f"kv_len={problem.kv_len} is longer than the plan's {of.kv_len}"
-    return ""
+def length_family(problem: Problem) -> tuple[object, ...]:
+    """What problems differing only in ``kv_len`` share: every field of the problem but it."""
+    p = problem
+    return (
+        p.seq_len,
+        p.head_dim,
+        p.batch,
+        p.heads,
+        p.kv_heads,
+        p.causal,
+        p.dtype,
+        p.precision,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        p.alibi,
+        p.sinks,
+    )
 
 
 def plan_at(plan: KernelPlan, problem: Problem, device: DeviceProfile) -> KernelPlan | str:
     """``plan``'s kernel at ``problem``'s KV length (see the module doc), or why it cannot
     serve it (another problem, a longer cache, or a family whose kernel would change)."""
-    reason = _other_lengths_only(problem, plan.problem)
-    if reason:
-        return reason
-    if problem == plan.problem:
+    if length_family(problem) != length_family(plan.problem):
+        return f"{problem.label()} is not {plan.problem.label()} at another kv_len"
+    if problem.kv_len > plan.problem.kv_len:
+        return f"kv_len={problem.kv_len} is longer than the plan's {plan.problem.kv_len}"
+    if problem.kv_len == plan.problem.kv_len:
         return plan
     at = plan_kernel(problem, plan.params, device)
     if not same_kernel(at, plan):
@@ -78,8 +90,17 @@ def plan_at(plan: KernelPlan, problem: Problem, device: DeviceProfile) -> Kernel
         )
     if not _scratch_fits(at, plan):
         return f"{at.key()} needs more split scratch at kv_len={problem.kv_len} than {plan.key()}"
-    judged = replace(at, feasible=True, reason="")
-    return judged.with_resources(plan.resources, device) if plan.resources else judged
+    # Judged as the plan it derives from (one replace: plans have many fields to copy).
+    occupancy, waves = occupancy_and_waves(at.launch, at.threads, plan.blocks_per_sm, device)
+    return replace(
+        at,
+        feasible=True,
+        reason="",
+        resources=plan.resources,
+        blocks_per_sm=plan.blocks_per_sm,
+        occupancy=occupancy,
+        waves=waves,
+    )
 
 
 def launch_tunables(plan: KernelPlan, device: DeviceProfile) -> tuple[Tunable, ...]:
