@@ -11,7 +11,11 @@
 ``kernels.attention`` is the function ``attention`` here (``kernels`` loads this module on first
 use). The first call of a problem (shape, dtype, causal, variants) on a GPU resolves it into a
 handle (``kernels.backends.attention_handle``): the plan, asked of the registry once, the loaded
-kernels, launch geometry, split scratch and packed arguments. A later call with torch tensors is
+kernels, launch geometry, split scratch and packed arguments. Against a KV cache
+(``kv_len != seq_len``) the plan is chosen once per KV bucket (``kernels.kv_buckets``: lengths
+rounded up to a power of two) and a new length only re-partitions the bucket's plan on the
+host (``tuner.planner.kernel_variant.plan_at``), so decode steps, each at a new length, reuse
+one plan, one compiled kernel and one split scratch per bucket. A later call with torch tensors is
 a dictionary hit on the call's signature (shapes, dtypes, devices, causal, window, softcap,
 whether slopes and sinks are given), a few attribute reads that stand for the argument checks,
 the output's allocation (none with ``out=``) and the launch on torch's current stream: no host
@@ -94,6 +98,9 @@ __all__ = [
 
 #: where compiled cubins are cached when ``cache_dir`` is not given (else the backend's default)
 CACHE_DIR_VARIABLE = "FLASH_ATTENTION_TUNER_CUBIN_CACHE"
+#: torch call signatures kept for the fast path (those met last): a decode meets a new KV
+#: length, hence a new signature, at every step
+SIGNATURE_CACHE = 1024
 
 
 class Attention:
@@ -233,7 +240,8 @@ class Attention:
         inputs = check_inputs(q, k, v, allow_grad=True)
         check_differentiable_dtype(inputs.q.dtype)
         problem = problem_of(inputs, check_causal(causal))
-        handle = self._runner(inputs.q.device or 0).handle(problem)
+        # a training shape is fixed: its own tuned plan, not its KV bucket's
+        handle = self._runner(inputs.q.device or 0).handle(problem, exact=True)
         lse = torch.empty(inputs.q.shape[:3], dtype=torch.float32, device=q.device)
         pointers = (inputs.q.pointer, inputs.k.pointer, inputs.v.pointer)
         return handle.run_torch(q, *pointers, None, torch, lse=lse), lse
@@ -301,6 +309,8 @@ class Attention:
                     q, k, v, causal, precision, window, softcap, alibi_slopes, sinks
                 )
                 self._torch_handles[signature] = handle
+                if len(self._torch_handles) > SIGNATURE_CACHE:
+                    self._torch_handles.pop(next(iter(self._torch_handles)), None)  # the oldest
             pointers = (inputs.q.pointer, inputs.k.pointer, inputs.v.pointer)
             return handle.run_torch(
                 q, *pointers, out, torch, *variants.pointers, variants.scale_log2

@@ -13,6 +13,15 @@ warning that says so; so is a registry that was asked for but could not be opene
 file, a server that does not answer: ``registry_unavailable`` says why). Warnings go to the
 ``kernels.attention`` logger, once per shape (and dtype).
 
+Problems that differ only in ``kv_len`` (the KV buckets of one layer's decode steps,
+``kernels.kv_buckets.length_family``) share kernels: a problem with no registry plan whose
+family has a plan chosen at half or twice its ``kv_len`` (the bucket a growing cache has just
+left) keeps that plan's kernel (no compile, no full candidate space) and takes the split
+partition the cost model ranks best among that kernel's launch choices at its length
+(``tuner.planner.kernel_variant.launch_choices``: a handful of plans, about a millisecond),
+falling back to the whole space when there is no such neighbour or none of its choices is
+feasible. A kernel chosen for 64 keys is not kept for 4096: only a neighbour's is.
+
 Pure apart from the injected ``check`` (on a GPU: compile and judge the compiler's resources)
 and the registry handle, so it is tested without a GPU.
 """
@@ -26,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kernels import build
+from kernels.kv_buckets import length_family
 from tuner.costmodel import predict_time_ms
 from tuner.data_dir import default_registry_file
 from tuner.device import DeviceProfile
@@ -33,6 +43,7 @@ from tuner.environment import Environment
 from tuner.errors import BackendError
 from tuner.planner.errors import PlanError
 from tuner.planner.families import families_for, family_named, family_names
+from tuner.planner.kernel_variant import launch_choices
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
 from tuner.problem import Problem
@@ -126,6 +137,8 @@ class PlanChooser:
         #: why the registry asked for could not be opened (then ``registry`` is None)
         self.registry_unavailable = registry_unavailable
         self._plans: dict[Problem, ChosenPlan] = {}
+        #: the plans chosen in each length family (problems differing only in kv_len), by kv_len
+        self._families: dict[tuple[object, ...], dict[int, ChosenPlan]] = {}
         self._lock = threading.Lock()
 
     def plan_for(self, problem: Problem) -> ChosenPlan:
@@ -135,6 +148,8 @@ class PlanChooser:
                 chosen = self._plans.get(problem)
                 if chosen is None:
                     chosen = self._plans[problem] = self._choose(problem)
+                    family = self._families.setdefault(length_family(problem), {})
+                    family[problem.kv_len] = chosen
         return chosen
 
     def _choose(self, problem: Problem) -> ChosenPlan:
@@ -153,11 +168,19 @@ class PlanChooser:
                     )
                 return ChosenPlan(plan, "registry", stored, notes)
             why = f"the registry's plan for {problem.label()} cannot run here: {plan}"
-        plan = self._default(problem)
+        sibling = self._neighbour(problem)
+        plan = self._same_kernel_default(problem, sibling) if sibling else None
+        if plan is not None and sibling is not None:
+            how = (
+                f"the kernel of {sibling.plan.key()} (chosen for {sibling.plan.problem.label()}) "
+                f"with the cost model's best split partition at kv_len={problem.kv_len}"
+            )
+        else:
+            plan = self._default(problem)
+            how = f"the cost model's best for {problem.dtype}"
         note = (
-            f"{why}; falling back to the planner's default plan {plan.key()}, the cost model's "
-            f"best for {problem.dtype} (predicted {predict_time_ms(plan, self.device):.3f} ms on "
-            f"{self.device.name})"
+            f"{why}; falling back to the planner's default plan {plan.key()}, {how} (predicted "
+            f"{predict_time_ms(plan, self.device):.3f} ms on {self.device.name})"
         )
         logger.warning(note)
         return ChosenPlan(plan, "default", None, (note,))
@@ -258,6 +281,21 @@ class PlanChooser:
                 "using it"
             )
         return tuple(notes)
+
+    def _neighbour(self, problem: Problem) -> ChosenPlan | None:
+        """The plan chosen for ``problem`` at half or twice its ``kv_len``, if any."""
+        family = self._families.get(length_family(problem), {})
+        return family.get(problem.kv_len // 2) or family.get(problem.kv_len * 2)
+
+    def _same_kernel_default(self, problem: Problem, sibling: ChosenPlan) -> KernelPlan | None:
+        """The best-predicted plan of ``problem`` launching ``sibling``'s kernel that passes
+        ``check`` (a compile cache hit), or None."""
+        choices = launch_choices(problem, sibling.plan, self.device)
+        for plan in sorted(choices, key=lambda plan: predict_time_ms(plan, self.device)):
+            checked = self._check(plan)
+            if isinstance(checked, KernelPlan):
+                return checked
+        return None
 
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)

@@ -32,6 +32,7 @@ import kernels.deploy as ka
 from kernels import attention_args
 from kernels.attention_variants import VariantValues, alibi_slopes
 from kernels.backends import attention_handle
+from kernels.kv_buckets import bucket_of
 from kernels.launch import launch_sequence
 from kernels.reference import attention_reference
 from tuner.errors import BackendError, TunerError
@@ -269,7 +270,8 @@ def test_every_variant_runs_with_the_callers_values(toy: Any, gpu: FakeGpu, regi
     )
     np.testing.assert_allclose(result(gpu, out), want, atol=1e-5)
     (problem,) = attend._runners[0]._handles
-    assert set(asked) == {problem}  # the registry was asked for this problem only
+    # The registry was asked for this problem's KV bucket only (56 keys: the bucket of 64)
+    assert set(asked) == {bucket_of(problem)} and bucket_of(problem).kv_len == 64
     assert problem == Problem(
         40, 16, batch=2, heads=6, kv_heads=3, kv_len=56, causal=True, window_left=9,
         softcap=4.0, alibi=True, sinks=True,

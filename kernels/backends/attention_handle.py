@@ -18,7 +18,9 @@ resolution by a plan whose launches take no slopes or sinks pointer.
 Why per stream: the split scratch is written by the attention kernel and read by the merge
 kernel; two calls on one stream are ordered, on two streams they would race on one scratch. A
 call inside a CUDA-graph capture gets scratch of its own from torch's allocator (the graph's
-private pool), so a graph never shares scratch with eager calls.
+private pool), so a graph never shares scratch with eager calls. The scratch of a stream is a
+``SplitScratch``'s: the handles of one KV bucket (``kernels.kv_buckets``: one per KV length a
+decode meets) share one, sized for the bucket's plan, which no length of the bucket exceeds.
 
 The roles of the pointer arguments are found by building the family's launches with marker
 addresses (``BUFFER_MARKERS``): any family, any argument order, with no family named here.
@@ -145,6 +147,54 @@ def roles_taken(templates: tuple[LaunchTemplate, ...]) -> frozenset[str]:
     )
 
 
+class SplitScratch:
+    """Split scratch per stream, of ``needed``'s sizes, shared by the handles given it.
+
+    Handles of one KV bucket run one at a time on a stream (a stream orders its launches), so
+    they may write and read the same partials; their plans need no more than ``needed``.
+    """
+
+    def __init__(self, needed: BufferElements) -> None:
+        self.needed = needed
+        self._streams: dict[int, tuple[tuple[Any, ...], int, int]] = {}
+        self._lock = threading.Lock()
+
+    def of_stream(self, stream: int, allocate: Allocate) -> tuple[tuple[Any, ...], int, int]:
+        """``(owners, partial_o address, partial_ml address)`` of ``stream``, allocated once."""
+        found = self._streams.get(stream)
+        if found is None:
+            with self._lock:
+                found = self._streams.get(stream)
+                if found is None:
+                    found = self._streams[stream] = allocate_scratch(self.needed, allocate)
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            self._streams.clear()
+
+
+def allocate_scratch(
+    needed: BufferElements, allocate: Allocate, what: str = ""
+) -> tuple[tuple[Any, ...], int, int]:
+    """The float32 partials of ``needed``: ``(owners, partial_o address, partial_ml address)``."""
+    owners, addresses = [], []
+    for role, nbytes in (
+        ("partial_o", needed.partial_o_bytes),
+        ("partial_ml", needed.partial_ml_bytes),
+    ):
+        try:
+            owner, address = allocate(nbytes)
+        except Exception as error:
+            raise BackendError(
+                f"{what or 'a plan'}: its split scratch ({nbytes} B of {role}) does not fit: "
+                f"{error}"
+            ) from error
+        owners.append(owner)
+        addresses.append(address)
+    return tuple(owners), addresses[0], addresses[1]
+
+
 class StreamSlot:
     """One stream's packed launches and split scratch; ``lock`` makes write + launch atomic."""
 
@@ -181,6 +231,7 @@ class AttentionHandle:
         needed: BufferElements,
         driver: Any,
         context: int | None,
+        scratch: SplitScratch | None = None,
     ) -> None:
         self.problem = problem
         self.device = device
@@ -194,6 +245,8 @@ class AttentionHandle:
         self.driver = driver
         self.context = context  # the primary context (torch's); None where unknown
         self.has_scratch = needed.partial_o > 0
+        #: this handle's split scratch per stream, or its KV bucket's (shared)
+        self.scratch = scratch if scratch is not None else SplitScratch(needed)
         taken = roles_taken(templates)
         for wanted, role in ((problem.alibi, "alibi_slopes"), (problem.sinks, "sinks")):
             if wanted and role not in taken:
@@ -225,22 +278,19 @@ class AttentionHandle:
                     found = self._slots[stream] = self.new_slot(stream, allocate)
         return found
 
-    def new_slot(self, stream: int, allocate: Allocate) -> StreamSlot:
-        owners, addresses = [], {"partial_o": 0, "partial_ml": 0}
+    def new_slot(self, stream: int, allocate: Allocate, private: bool = False) -> StreamSlot:
+        """The packed launches of ``stream``, on the stream's shared scratch, or on scratch of
+        their own (``private``: a CUDA-graph capture)."""
+        owners: tuple[Any, ...] = ()
+        addresses = {"partial_o": 0, "partial_ml": 0}
         if self.has_scratch:
-            for role, nbytes in (
-                ("partial_o", self.needed.partial_o_bytes),
-                ("partial_ml", self.needed.partial_ml_bytes),
-            ):
-                try:
-                    owner, address = allocate(nbytes)
-                except Exception as error:
-                    raise BackendError(
-                        f"{self.plan.key()}: the split scratch of {self.problem.label()} "
-                        f"({nbytes} B of {role}) does not fit: {error}"
-                    ) from error
-                owners.append(owner)
-                addresses[role] = address
+            what = f"{self.plan.key()} for {self.problem.label()}"
+            owners, partial_o, partial_ml = (
+                allocate_scratch(self.needed, allocate, what)
+                if private
+                else self.scratch.of_stream(stream, allocate)
+            )
+            addresses = {"partial_o": partial_o, "partial_ml": partial_ml}
         pointers: dict[str, Any] = {
             role: ctypes.c_void_p(addresses.get(role, 0)) for role in ROLES
         }
@@ -248,7 +298,7 @@ class AttentionHandle:
         maps: list[Any] = []
         packed = tuple(self._pack(template, pointers, maps) for template in self.templates)
         calls = tuple(self.driver.bind_launch(launch, stream) for launch in packed)
-        return StreamSlot(pointers, packed, calls, tuple(owners), tuple(maps))
+        return StreamSlot(pointers, packed, calls, owners, tuple(maps))
 
     def _pack(
         self, template: LaunchTemplate, pointers: dict[str, Any], maps: list[Any]
@@ -352,7 +402,7 @@ class AttentionHandle:
         result = torch.empty_like(like) if out is None else out
         if self.has_scratch and native._cuda_isCurrentStreamCapturing():
             # In a graph capture: scratch from the graph's pool, never an eager slot's.
-            slot = self.new_slot(stream, _torch_allocator(torch, like.device))
+            slot = self.new_slot(stream, _torch_allocator(torch, like.device), private=True)
         else:
             slot = self._slots.get(stream)
             if slot is None:
@@ -366,6 +416,7 @@ class AttentionHandle:
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
+        self.scratch.close()
 
 
 def _torch_allocator(torch: Any, device: Any) -> Allocate:

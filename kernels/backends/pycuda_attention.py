@@ -21,6 +21,15 @@ device's primary context, the one torch and the CUDA runtime use:
 Every dtype takes the same path: the problem carries the inputs' dtype, the chooser picks among
 the families that take it, and the plan's family says the buffers (``buffer_elements``: the
 split scratch is float32 whatever the dtype) and the launches (``launch_sequence``).
+
+KV lengths are run-time data (``kernels.kv_buckets``): a problem against a KV cache has its
+plan chosen for its bucket (the registry asked once per bucket, the kernels compiled and loaded
+once per kernel variant), and its handle is that plan at the exact length
+(``tuner.planner.kernel_variant.plan_at``: the family's split rule, about 15 us, no cost model)
+with the launches packed for it and the bucket's split scratch; a new length costs about a
+tenth of a millisecond on the host, once. Handles are kept for the ``HANDLE_CACHE`` problems met
+last, so a server meeting every length of a long cache holds a bounded number.
+
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from kernels.attention_args import (
 from kernels.backends.attention_handle import (
     BUFFER_MARKERS,
     AttentionHandle,
+    SplitScratch,
     launch_templates,
 )
 from kernels.backends.backward_handle import (
@@ -53,11 +63,13 @@ from kernels.backends.backward_handle import (
 )
 from kernels.backends.pycuda_backend import PyCudaBackend
 from kernels.cuda_driver import CudaDriver
+from kernels.kv_buckets import bucket_of
 from kernels.launch import KernelLaunch, buffer_elements, launch_sequence
-from kernels.plan_choice import ChosenPlan, PlanChooser
+from kernels.plan_choice import ChosenPlan, PlanChooser, logger
 from kernels.variant_args import VariantArgs
 from tuner.environment import Environment
 from tuner.errors import BackendError
+from tuner.planner.kernel_variant import plan_at
 from tuner.planner.launches import scale_log2
 from tuner.planner.tunable import KernelParams, KernelPlan, plan_kernel
 from tuner.problem import Problem
@@ -67,6 +79,8 @@ LEGACY_STREAM = 0
 #: interface stream values our legacy-stream launch is already ordered after (None: no producer
 #: stream; 1: legacy default; 2: per-thread default, which syncs with the legacy one)
 ORDERED_STREAMS = (None, 1, 2)
+#: handles a runner keeps (the problems met last); an older one is made again if met again
+HANDLE_CACHE = 1024
 
 
 class DeviceRunner:
@@ -105,12 +119,22 @@ class DeviceRunner:
         self._compiled: dict[str, build.CompiledKernel] = {}
         self._modules: dict[str, tuple[int, dict[str, int]]] = {}  # compile key -> functions
         self._handles: dict[Problem, AttentionHandle] = {}
+        #: handles of problems asked ``exact`` whose KV bucket is another problem
+        self._exact_handles: dict[Problem, AttentionHandle] = {}
         self._backward_handles: dict[tuple[Problem, bool], BackwardHandle] = {}
+        #: each KV bucket's split scratch, for its handles (``kernels.kv_buckets``)
+        self._buckets: dict[Problem, SplitScratch] = {}
+        #: (function, bytes) whose dynamic shared memory was opted in: a function attribute
+        self._opted_in: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         with self.backend.active():
             self.context = current_context()
 
     def _check(self, plan: KernelPlan) -> KernelPlan | str:
+        known = self._compiled.get(build.KernelSpec.from_plan(plan).key)
+        if known is not None:  # a variant compiled here before: judged without the disk
+            judged = plan.with_resources(known.primary_resources, self.profile)
+            return judged if judged.feasible else judged.reason
         try:
             compiled = build.compile_kernel(plan, self.backend.cache_dir, arch=self.profile.arch)
         except BackendError as error:  # not cached and no nvcc: another plan may be cached
@@ -123,18 +147,48 @@ class DeviceRunner:
         self._compiled[compiled.key] = compiled
         return judged
 
-    def handle(self, problem: Problem) -> AttentionHandle:
-        """The handle of ``problem`` on this GPU: resolved (plan, kernels) on first use."""
-        found = self._handles.get(problem)
+    def handle(self, problem: Problem, *, exact: bool = False) -> AttentionHandle:
+        """The handle of ``problem`` on this GPU: resolved (plan, kernels) on first use.
+
+        ``exact``: the plan of ``problem`` itself, not of its KV bucket: a training step's
+        forward, whose shape is fixed and whose tuned plan (and backward) is the exact
+        problem's."""
+        exact = exact and bucket_of(problem) != problem
+        handles = self._exact_handles if exact else self._handles
+        found = handles.get(problem)
         if found is None:
             with self._lock:
-                found = self._handles.get(problem)
+                found = handles.get(problem)
                 if found is None:
-                    found = self._handles[problem] = self._resolve(problem)
+                    found = handles[problem] = self._resolve(problem, exact)
+                    if len(handles) > HANDLE_CACHE:
+                        del handles[next(iter(handles))]  # the oldest
         return found
 
-    def _resolve(self, problem: Problem) -> AttentionHandle:
-        chosen = self.chooser.plan_for(problem)
+    def _chosen(self, problem: Problem, exact: bool) -> tuple[ChosenPlan, SplitScratch | None]:
+        """The plan of ``problem``: its bucket's at its exact KV length, with the bucket's
+        split scratch (``None`` for a problem that is its own bucket, or asked ``exact``: a
+        scratch of its own)."""
+        bucket = bucket_of(problem)
+        if exact or bucket == problem:
+            return self.chooser.plan_for(problem), None
+        chosen = self.chooser.plan_for(bucket)
+        exact = plan_at(chosen.plan, problem, self.profile)
+        if isinstance(exact, str):  # a kernel that changes with kv_len: a plan of its own
+            logger.warning(
+                "the plan of KV bucket %s cannot serve %s (%s); choosing one for it alone",
+                bucket.label(),
+                problem.label(),
+                exact,
+            )
+            return self.chooser.plan_for(problem), None
+        scratch = self._buckets.get(bucket)
+        if scratch is None:
+            scratch = self._buckets[bucket] = SplitScratch(buffer_elements(chosen.plan))
+        return dataclasses.replace(chosen, plan=exact), scratch
+
+    def _resolve(self, problem: Problem, exact: bool) -> AttentionHandle:
+        chosen, scratch = self._chosen(problem, exact)
         launches = launch_sequence(chosen.plan, BUFFER_MARKERS)
         functions = self.load(chosen.plan, launches)
         return AttentionHandle(
@@ -145,6 +199,7 @@ class DeviceRunner:
             buffer_elements(chosen.plan),
             self.driver,
             self.context,
+            scratch,
         )
 
     def checked(self, plan: KernelPlan) -> KernelPlan:
@@ -173,10 +228,12 @@ class DeviceRunner:
                 loaded = self._modules[key] = (module, functions)
             functions = loaded[1]
             for launch in launches:
-                if launch.needs_shared_opt_in:  # a function attribute: set once, kept
-                    self.driver.set_max_dynamic_shared(
-                        functions[launch.function], launch.shared_bytes
-                    )
+                function = functions[launch.function]
+                opt_in = (function, launch.shared_bytes)
+                if launch.needs_shared_opt_in and opt_in not in self._opted_in:
+                    # a function attribute: set once, kept
+                    self.driver.set_max_dynamic_shared(function, launch.shared_bytes)
+                    self._opted_in.add(opt_in)
         return functions
 
     def backward_handle(self, problem: Problem, deterministic: bool = False) -> BackwardHandle:
@@ -278,7 +335,14 @@ class DeviceRunner:
             for handle in self._handles.values():
                 handle.close()  # frees scratch while the context is current
             self._handles.clear()
+            for handle in self._exact_handles.values():
+                handle.close()
+            self._exact_handles.clear()
             self._backward_handles.clear()
+            for scratch in self._buckets.values():
+                scratch.close()
+            self._buckets.clear()
+            self._opted_in.clear()
             for module, _ in self._modules.values():
                 self.driver.unload_module(module)
             self._modules.clear()

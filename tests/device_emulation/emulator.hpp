@@ -97,6 +97,8 @@ inline void __syncthreads() { emu::block.barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_exchange().barrier.arrive_and_wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline float __log2f(float x) { return std::log2(x); }
+template <typename T>
+inline T __ldg(const T* address) { return *address; }  // the read-only cache path
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
