@@ -297,6 +297,22 @@ class PlanChooser:
                 return checked
         return None
 
+    def best_default(
+        self, problem: Problem, accept: Callable[[KernelPlan], bool]
+    ) -> KernelPlan | None:
+        """The best-predicted planned plan of ``problem`` that ``accept`` takes and that
+        passes ``check`` (among the ``DEFAULT_PLAN_TRIES`` best it takes), or None."""
+        space = candidate_space(problem, self.device)
+        taken = sorted(
+            (plan for plan in space.feasible if accept(plan)),
+            key=lambda plan: predict_time_ms(plan, self.device),
+        )
+        for plan in taken[:DEFAULT_PLAN_TRIES]:
+            checked = self._check(plan)
+            if isinstance(checked, KernelPlan):
+                return checked
+        return None
+
     def _default(self, problem: Problem) -> KernelPlan:
         label, space = problem.label(), candidate_space(problem, self.device)
         if not families_for(problem.dtype, problem.direction):

@@ -162,6 +162,27 @@ def test_deterministic_calls_get_the_plans_deterministic_variant(emulated) -> No
         assert bytes(memory[a.data_ptr()][:size]) == bytes(memory[b.data_ptr()][:size])
 
 
+def test_a_deterministic_variant_that_cannot_run_gives_way_to_another_deterministic_plan(
+    emulated, monkeypatch, caplog
+) -> None:
+    attend, _ = emulated
+    runner = attend._runner(0)
+    check = runner._check
+    twin = BACKWARD_PLAN | {"deterministic": 1}
+
+    def spills_for_the_twin(plan: Any) -> Any:
+        if plan.params.tunables == {**plan.params.tunables, **twin}:
+            return "compiler spills registers to local memory (32 B stores, 36 B loads)"
+        return check(plan)
+
+    monkeypatch.setattr(runner, "_check", spills_for_the_twin)
+    monkeypatch.setattr(runner.chooser, "_check", spills_for_the_twin)
+    handle = runner.backward_handle(BACKWARD, deterministic=True)
+    tunables = handle.plan.params.tunables
+    assert tunables["deterministic"] == 1 and tunables != {**tunables, **twin}
+    assert "cannot run (compiler spills" in caplog.text and "serves instead" in caplog.text
+
+
 def test_a_backward_call_with_a_wrong_lse_is_refused(emulated) -> None:
     attend, fake_gpu = emulated
     _, (q, k, v, dout) = tensors(fake_gpu)

@@ -25,7 +25,7 @@ import pytest
 from kernels.backends.base import Failure
 from tuner.costmodel import predict_time_ms
 from tuner.device import DeviceProfile
-from tuner.planner.families import families_for
+from tuner.planner.families import families_for, family_named
 from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
 from tuner.problem import Problem
@@ -129,8 +129,10 @@ def test_every_family_matches_the_float64_reference(gpu: Any, problem: Problem) 
 
 
 def _rejecting(problem: Problem) -> set[str]:
-    """Families that reject every candidate of ``problem`` (decode_f16 past 16 query rows)."""
-    return {"decode_f16"} if problem.seq_len > 16 else set()
+    """Families that reject every candidate of ``problem`` (decode_f16 past 16 query rows;
+    a serving family plans serving batches only: ``tests/test_gpu_serving.py``'s)."""
+    serving = {name for name in families_for(problem.dtype) if family_named(name).serving}
+    return serving | ({"decode_f16"} if problem.seq_len > 16 else set())
 
 
 def test_attention_infers_kv_heads_and_kv_len_from_torch_tensors(tmp_path, monkeypatch) -> None:

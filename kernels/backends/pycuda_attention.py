@@ -262,10 +262,25 @@ class DeviceRunner:
             )
             checked = self._check(plan) if plan.feasible else plan.reason
             if isinstance(checked, str):
-                raise BackendError(
-                    f"the deterministic variant of {chosen.plan.key()} for {problem.label()} "
-                    f"cannot run: {checked}"
+                # e.g. the ordered dQ spills where the atomic one fits: the best-predicted
+                # deterministic plan that compiles cleanly serves instead
+                other = self.chooser.best_default(
+                    problem, lambda plan: plan.params.tunables.get("deterministic") == 1
                 )
+                if other is None:
+                    raise BackendError(
+                        f"the deterministic variant of {chosen.plan.key()} for "
+                        f"{problem.label()} cannot run ({checked}) and no other deterministic "
+                        "plan compiles without spills"
+                    )
+                logger.warning(
+                    "the deterministic variant of %s for %s cannot run (%s); %s serves instead",
+                    chosen.plan.key(),
+                    problem.label(),
+                    checked,
+                    other.key(),
+                )
+                checked = other
             chosen = dataclasses.replace(chosen, plan=checked)
         return self.backward_handle_of(chosen)
 
