@@ -25,16 +25,18 @@
 // consumers yet; with CONSUMERS = 2 the warp schedulers interleave one group's softmax
 // with the other's wgmma on their own.
 //
-// Shared memory: every tile of R rows x HEAD_DIM is stored as HEAD_DIM / 64 column
-// chunks of R rows x 128 bytes (64 elements), each chunk in the 128-byte swizzle
-// (16-byte unit u of row r stored at unit u ^ (r % 8)), which is what the TMA writes
-// with CU_TENSOR_MAP_SWIZZLE_128B and a box of {64, R, 1}, and what a wgmma
-// descriptor with swizzle mode 1 reads. Chunks start 1024-byte aligned (the swizzle
-// repeats every 8 rows x 128 bytes), so the descriptors' base offset is 0.
-//   K-major operand (Q, K), k16 step j: start = tile + (j / 4) * R * 128 + (j % 4) * 32,
-//     LBO unused by swizzled K-major layouts (1), SBO = 1024 (next 8 rows).
-//   MN-major operand (V), k16 step j (keys 16j..16j+15): start = tile + j * 16 * 128,
-//     LBO = R * 128 (next 64 head_dim columns: the next chunk), SBO = 1024 (next 8 keys).
+// Shared memory: every tile of R rows x HEAD_DIM is stored as HEAD_DIM / C column chunks
+// of R rows x 2C bytes (C = CHUNK_COLS: 64 columns in the 128-byte swizzle where head_dim is
+// a multiple of 64, else 32 columns in the 64-byte swizzle, head_dim 96), the 16-byte units
+// of each row permuted by the swizzle (128 bytes: unit u of row r at u ^ (r % 8)); that is
+// what the TMA writes with CU_TENSOR_MAP_SWIZZLE_{128,64}B and a box of {C, R, 1}, and what
+// a wgmma descriptor of swizzle mode 1 (128) or 2 (64) reads. Chunks start 1024-byte
+// aligned (the swizzle repeats every 8 rows x 2C bytes), so the descriptors' base offset is
+// 0 (include/fa/hopper.cuh, swizzled_k_major and swizzled_mn_major):
+//   K-major operand (Q, K), k16 step j: start = tile + (j / (2C / 32)) * R * 2C
+//     + (j % (2C / 32)) * 32, LBO unused by swizzled K-major layouts, SBO = 8 rows;
+//   MN-major operand (V), k16 step j (keys 16j..16j+15): start = tile + j * 16 * 2C,
+//     LBO = R * 2C (the next chunk of head_dim columns), SBO = 8 keys.
 //
 // Entry contract: mma_f16_attention's (q, k, v, out, partial_o, partial_lse, seq_len,
 // kv_len, group, keys_per_split, scale_log2 and the variant arguments of
@@ -42,8 +44,9 @@
 // score modifications), preceded by three tensor maps built on the host with
 // cuTensorMapEncodeTiled (tuner/planner/families/wgmma_f16.py, kernels/tensor_maps.py):
 //   q_map: bf16/fp16, dims {HEAD_DIM, seq_len, batch * heads}, strides {HEAD_DIM * 2,
-//          seq_len * HEAD_DIM * 2} bytes, box {64, 64, 1}, SWIZZLE_128B, OOB fill zeros;
-//   k_map, v_map: dims {HEAD_DIM, kv_len, batch * kv_heads}, box {64, BLOCK_N, 1}, same.
+//          seq_len * HEAD_DIM * 2} bytes, box {C, 64, 1}, SWIZZLE_128B (C = 64) or
+//          SWIZZLE_64B (C = 32), OOB fill zeros;
+//   k_map, v_map: dims {HEAD_DIM, kv_len, batch * kv_heads}, box {C, BLOCK_N, 1}, same.
 // Rows past seq_len / kv_len of a head come in as zeros (the third dimension keeps a
 // tile from reading the next head); keys past kv_len are masked to -inf besides.
 //   dynamic shared bytes = SMEM_BYTES below (1024 of slack for aligning the base)
@@ -88,7 +91,11 @@
 
 #define BLOCK_M (64 * CONSUMERS)
 #define THREADS (128 * (CONSUMERS + 1))
-#define CHUNKS (HEAD_DIM / 64)                    // 64-column chunks of a tile row
+// The swizzle span: 128 bytes (64 columns) where head_dim is whole 64-column chunks, else
+// 64 bytes (32 columns: head_dim 96), as CUTLASS's smem selector and FlashAttention-3 have it.
+#define SWIZZLE_BYTES (HEAD_DIM % 64 == 0 ? 128 : 64)
+#define CHUNK_COLS (SWIZZLE_BYTES / 2)            // columns of a chunk (one swizzled row)
+#define CHUNKS (HEAD_DIM / CHUNK_COLS)            // chunks of a tile row
 #define Q_TILE_BYTES (64 * HEAD_DIM * 2)          // one consumer's Q
 #define KV_TILE_BYTES (BLOCK_N * HEAD_DIM * 2)    // one K or one V tile
 #define Q_OFFSET 0
@@ -100,7 +107,8 @@
 #define S_REGS (BLOCK_N / 2)                      // S accumulators a thread (m64nBLOCK_N f32)
 #define O_REGS (HEAD_DIM / 2)                     // O accumulators a thread
 
-static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim of whole 128-byte chunks, up to 256");
+static_assert(HEAD_DIM % CHUNK_COLS == 0 && HEAD_DIM <= 256,
+              "head_dim of whole swizzled chunks (64 or 32 columns), up to 256");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128");
 static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
@@ -126,8 +134,8 @@ typedef Traits::Elem elem_t;
 __device__ __forceinline__ void issue_s(float* s_acc, uint32_t q_tile, uint32_t k_tile) {
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 16; ++j)
-        Traits::SGemm::ss(s_acc, fa::sw128_k_major(q_tile, 64, j),
-                          fa::sw128_k_major(k_tile, BLOCK_N, j), j > 0);
+        Traits::SGemm::ss(s_acc, fa::swizzled_k_major<SWIZZLE_BYTES>(q_tile, 64, j),
+                          fa::swizzled_k_major<SWIZZLE_BYTES>(k_tile, BLOCK_N, j), j > 0);
 }
 
 // O += P V for one tile: BLOCK_N / 16 wgmmas, P from registers, V MN-major in shared memory.
@@ -135,7 +143,8 @@ __device__ __forceinline__ void issue_pv(float* o_acc, const uint32_t (*p_frag)[
                                          uint32_t v_tile) {
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 16; ++j)
-        Traits::OGemm::rs(o_acc, p_frag[j], fa::sw128_mn_major(v_tile, BLOCK_N, j), 1);
+        Traits::OGemm::rs(o_acc, p_frag[j], fa::swizzled_mn_major<SWIZZLE_BYTES>(v_tile, BLOCK_N, j),
+                           1);
 }
 
 // P to 16-bit A fragments: k16 step j covers n8 chunks 2j and 2j + 1 (the register-A layout
@@ -222,8 +231,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             for (int c = 0; c < CONSUMERS; ++c)
 #pragma unroll
                 for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                    fa::tma_load_3d(s_q + c * Q_TILE_BYTES + chunk * 64 * 128, &q_map, chunk * 64,
-                                    row0 + 64 * c, bh, q_full);
+                    fa::tma_load_3d(s_q + c * Q_TILE_BYTES + chunk * 64 * SWIZZLE_BYTES, &q_map,
+                                    chunk * CHUNK_COLS, row0 + 64 * c, bh, q_full);
             for (int t = 0; t < tiles.count; ++t) {
                 const int stage = t % STAGES;
                 const uint32_t parity = (t / STAGES) & 1;
@@ -232,13 +241,13 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                 fa::mbar_arrive_expect_tx(k_full + 8 * stage, KV_TILE_BYTES);
 #pragma unroll
                 for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                    fa::tma_load_3d(s_k + stage * KV_TILE_BYTES + chunk * BLOCK_N * 128, &k_map,
-                                    chunk * 64, key0, kv_head, k_full + 8 * stage);
+                    fa::tma_load_3d(s_k + stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
+                                    &k_map, chunk * CHUNK_COLS, key0, kv_head, k_full + 8 * stage);
                 fa::mbar_arrive_expect_tx(v_full + 8 * stage, KV_TILE_BYTES);
 #pragma unroll
                 for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                    fa::tma_load_3d(s_v + stage * KV_TILE_BYTES + chunk * BLOCK_N * 128, &v_map,
-                                    chunk * 64, key0, kv_head, v_full + 8 * stage);
+                    fa::tma_load_3d(s_v + stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
+                                    &v_map, chunk * CHUNK_COLS, key0, kv_head, v_full + 8 * stage);
             }
         }
     } else {

@@ -23,6 +23,7 @@ from tuner.planner.families.wgmma_f16 import (
     MAX_CONSUMER_REGISTERS,
     consumer_registers,
     consumer_registers_needed,
+    swizzle_row_bytes,
     swizzle_verdict,
     tma_verdict,
     wgmma_f16_shared_bytes,
@@ -82,7 +83,8 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
     ("tunables", "problem", "words"),
     [
         ({}, Problem(64, 64), "dtype float32 is not one of"),
-        ({}, Problem(256, 96, dtype="bfloat16"), "head_dim=96 is not one of (64, 128, 192, 256)"),
+        ({}, Problem(256, 80, dtype="bfloat16"),
+         "head_dim=80 is not one of (64, 96, 128, 192, 256)"),
         ({"block_n": 96}, BF16, "block_n=96 is not one of (64, 128)"),
         ({"stages": 5}, BF16, "2 to 4 stages"),
         ({"consumers": 3}, BF16, "one or two consumer warpgroups"),
@@ -128,9 +130,11 @@ def test_tma_and_swizzle_limits() -> None:
     for consumers in (1, 2):
         for block_n in (64, 128):
             for stages in (2, 3, 4):
-                for head_dim in (64, 128, 192, 256):
+                for head_dim in (64, 96, 128, 192, 256):
                     assert swizzle_verdict(consumers, block_n, stages, head_dim) == ""
-    assert "1024-byte atoms" in swizzle_verdict(1, 64, 2, 96)
+    # 96 columns are not whole 128-byte rows: the 64-byte swizzle; 80 fits neither
+    assert swizzle_row_bytes(96) == 64 and swizzle_row_bytes(128) == swizzle_row_bytes(64) == 128
+    assert "not whole 64-byte swizzle rows" in swizzle_verdict(1, 64, 2, 80)
 
 
 def test_launches_lead_with_the_three_tensor_maps(registered: None) -> None:
@@ -154,6 +158,24 @@ def test_launches_lead_with_the_three_tensor_maps(registered: None) -> None:
     assert attention.block == (384, 1, 1) and attention.grid == (8, 1, 32)
 
 
+def test_head_dim_96_takes_the_64_byte_swizzle(registered: None) -> None:
+    # 192-byte rows: three 32-column chunks in the 64-byte swizzle (FlashAttention-3's and
+    # CUTLASS's choice for a K extent of 96); the kernel derives the same span from HEAD_DIM.
+    problem = Problem(1000, 96, batch=2, heads=8, kv_heads=2, causal=True, dtype="bfloat16")
+    p = plan(problem, consumers=2, block_n=128, stages=2, overlap=1)
+    assert p.feasible, p.reason
+    (attention,) = FAMILY.launches(p, DeviceBuffers(0x1000, 0x2000, 0x3000, 0x4000))
+    q_map, k_map, v_map = attention.args[:3]
+    assert q_map.box == (32, 64, 1) and k_map.box == v_map.box == (32, 128, 1)
+    assert q_map.strides_bytes == (192, 1000 * 192)
+    assert {m.swizzle_bytes for m in (q_map, k_map, v_map)} == {64}
+    assert FAMILY.compile_defines(p)["HEAD_DIM"] == 96
+    source = KERNEL.read_text()
+    assert "#define SWIZZLE_BYTES (HEAD_DIM % 64 == 0 ? 128 : 64)" in source
+    # S, O and two P sets at 128-key tiles: 64 + 48 + 64 + 48 = 224 of 240
+    assert consumer_registers_needed(128, 96, overlap=True) == 224
+
+
 def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> None:
     problem = Problem(64, 64, batch=1, heads=4, kv_len=8192, dtype="bfloat16")
     p = plan(problem, consumers=1, block_n=128, stages=2, split_target=8)
@@ -168,7 +190,7 @@ def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> No
 @given(
     seq_len=st.integers(1, 20000),
     extra_keys=st.integers(0, 5000),
-    head_dim=st.sampled_from([64, 128]),
+    head_dim=st.sampled_from([64, 96, 128]),
     causal=st.booleans(),
     consumers=st.sampled_from([1, 2]),
     block_n=st.sampled_from([64, 128]),

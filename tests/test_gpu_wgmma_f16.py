@@ -1,10 +1,10 @@
-"""The Hopper family (``wgmma_f16``: TMA, wgmma, warp specialization) on a real GPU: parity
-over dtype x head_dim x odd lengths x causal x GQA / KV-cache lengths x consumer/tile/stage/
-overlap/split plans, each measured through the PyCUDA backend exactly as a tuning trial is
-(tensor maps encoded by the driver, outputs poisoned with NaN, FlashAttention's parity rule of
-``kernels.precision``). Plans the planner rejects only as larger than a tiny sequence needs
-are run anyway: they must be right too. Skipped where pycuda is missing, no CUDA device
-answers, or the device is not sm_90.
+"""The Hopper family (``wgmma_f16``: TMA, wgmma, warp specialization) on a real GPU: parity over
+dtype x head_dim (64, 96, 128; 192 and 256 below) x odd lengths x causal x GQA / KV-cache
+lengths x consumer/tile/stage/overlap/split plans, each measured through the PyCUDA backend
+exactly as a tuning trial is (tensor maps encoded by the driver, outputs poisoned with NaN,
+FlashAttention's parity rule of ``kernels.precision``). Plans the planner rejects only as
+larger than a tiny sequence needs are run anyway: they must be right too. Skipped where pycuda
+is missing, no CUDA device answers, or the device is not sm_90.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ SIZE_ONLY_REASONS = ("larger than needed",)
 
 
 def problems() -> list[Problem]:
-    shapes = itertools.product((7, 129, 1000), (64, 128), ("bfloat16", "float16"), (False, True))
+    shapes = itertools.product((7, 129, 1000), (64, 96, 128), ("bfloat16", "float16"),
+                               (False, True))
     found = [Problem(n, d, batch=2, heads=3, causal=c, dtype=t) for n, d, t, c in shapes]
     found += [
+        # head_dim 96 in the 64-byte swizzle, with GQA, a KV cache and the variants
+        Problem(200, 96, heads=8, kv_heads=2, kv_len=1100, causal=True, dtype="bfloat16",
+                window_left=300, softcap=30.0, sinks=True),
         Problem(100, 128, heads=8, kv_heads=2, kv_len=1500, causal=True, dtype="bfloat16"),
         Problem(333, 64, batch=2, heads=4, kv_heads=1, kv_len=777, dtype="float16"),
         Problem(1, 128, batch=3, heads=8, kv_heads=2, kv_len=4100, dtype="bfloat16"),

@@ -77,28 +77,43 @@ __device__ __forceinline__ void fence_registers(float* r) {
 
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
 // leading and stride byte offsets, all >> 4 in 14 bits; bits 62-63 the swizzle mode
-// (1 = 128-byte).
+// (1 = 128-byte, 2 = 64-byte, 3 = 32-byte).
+template <int SWIZZLE_BYTES>
 __device__ __forceinline__ uint64_t make_descriptor(uint32_t addr, uint32_t leading_bytes,
                                                     uint32_t stride_bytes) {
+    static_assert(SWIZZLE_BYTES == 128 || SWIZZLE_BYTES == 64 || SWIZZLE_BYTES == 32,
+                  "a 128-, 64- or 32-byte swizzle");
+    constexpr uint64_t mode = SWIZZLE_BYTES == 128 ? 1 : SWIZZLE_BYTES == 64 ? 2 : 3;
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((leading_bytes & 0x3FFFF) >> 4) << 16) |
-           ((uint64_t)((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+           ((uint64_t)((stride_bytes & 0x3FFFF) >> 4) << 32) | (mode << 62);
 }
-// Tiles are stored as 64-column chunks of `rows` rows x 128 bytes in the 128-byte swizzle
-// (16-byte unit u of row r at unit u ^ (r % 8)), each chunk 1024-byte aligned: what the TMA
-// writes with CU_TENSOR_MAP_SWIZZLE_128B and a {64, rows, 1} box.
+// Tiles are stored as column chunks of `rows` rows x SWIZZLE_BYTES bytes in that swizzle
+// (16-byte unit u of row r at unit u ^ ((r / (128 / SWIZZLE_BYTES)) % (SWIZZLE_BYTES / 16)):
+// the pattern repeats every 8 rows x SWIZZLE_BYTES), each chunk aligned to that atom: what
+// the TMA writes with CU_TENSOR_MAP_SWIZZLE_{128,64}B and a {SWIZZLE_BYTES / 2, rows, 1} box.
+// 128 bytes (64 two-byte columns) where head_dim allows; 64 bytes for head_dim 96, as
+// CUTLASS's smem selector and FlashAttention-3 choose for a K extent of 96.
 //
-// K-major operand (head_dim contiguous: Q, K), k16 step j: chunk j / 4, 32-byte column j % 4;
-// LBO unused by swizzled K-major layouts, SBO = 1024 (the next 8 rows).
-__device__ __forceinline__ uint64_t sw128_k_major(uint32_t tile, int rows, int j) {
-    return make_descriptor(tile + (j / 4) * rows * 128 + (j % 4) * 32, 16, 1024);
+// K-major operand (head_dim contiguous: Q, K), k16 step j (32 bytes of a row): chunk
+// j / (SWIZZLE_BYTES / 32), that column within it; LBO unused by swizzled K-major layouts,
+// SBO = the next 8 rows (one atom).
+template <int SWIZZLE_BYTES>
+__device__ __forceinline__ uint64_t swizzled_k_major(uint32_t tile, int rows, int j) {
+    constexpr int steps = SWIZZLE_BYTES / 32;
+    return make_descriptor<SWIZZLE_BYTES>(
+        tile + (j / steps) * rows * SWIZZLE_BYTES + (j % steps) * 32, 16, 8 * SWIZZLE_BYTES);
 }
 // MN-major operand (V: keys x head_dim, head_dim contiguous, used as B[keys][head_dim]),
-// k16 step j (keys 16 j .. 16 j + 15): LBO = the next 64 head_dim columns (the next chunk of
-// `rows` keys), SBO = the next 8 keys, as CUTLASS's and ThunderKittens' MN-major 128-byte
-// swizzle descriptors have it. Confirmed on the H200 (2026-12-03): the other reading (the
-// PTX ISA's one-line LBO/SBO definitions taken literally) faulted with an illegal address.
-__device__ __forceinline__ uint64_t sw128_mn_major(uint32_t tile, int rows, int j) {
-    return make_descriptor(tile + j * 16 * 128, rows * 128, 1024);
+// k16 step j (keys 16 j .. 16 j + 15): LBO = the next SWIZZLE_BYTES / 2 head_dim columns
+// (the next chunk of `rows` keys), SBO = the next 8 keys, as CUTLASS's and ThunderKittens'
+// MN-major swizzled descriptors have it (CUTLASS make_gmma_desc: ((T,8|4,m),(8,k)) :
+// ((1,T,LBO),(8T|4T,SBO))). Confirmed on the H200 for 128 bytes (2026-12-03): the other
+// reading (the PTX ISA's one-line LBO/SBO definitions taken literally) faulted with an
+// illegal address.
+template <int SWIZZLE_BYTES>
+__device__ __forceinline__ uint64_t swizzled_mn_major(uint32_t tile, int rows, int j) {
+    return make_descriptor<SWIZZLE_BYTES>(tile + j * 16 * SWIZZLE_BYTES, rows * SWIZZLE_BYTES,
+                                          8 * SWIZZLE_BYTES);
 }
 
 // ---------------------------------------------------------------- registers

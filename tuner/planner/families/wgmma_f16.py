@@ -3,19 +3,19 @@
 A block is one producer warpgroup (one thread issues TMA loads) and ``consumers``
 consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``); with
 ``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor
-cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles of
-``block_n`` keys stream through a ``stages``-deep ring in shared memory in the 128-byte
-swizzle; S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators in
-the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
-consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over blocks as in
-``mma_f16`` (same split contract and merge).
+cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles of ``block_n`` keys stream
+through a ``stages``-deep ring in shared memory in the 128-byte swizzle (the 64-byte one at
+head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32
+accumulators in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers
+a thread and the consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over
+blocks as in ``mma_f16`` (same split contract and merge).
 
-Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64, 128,
-192 or 256 (whole 128-byte swizzle rows of 64 two-byte elements; 96 would need the 64-byte
-swizzle and stays with mma_f16); the shared-memory ring against
+Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64, 96,
+128, 192 or 256 (whole swizzled rows: 64 two-byte elements in the 128-byte swizzle, 32 in
+the 64-byte one that head_dim 96 takes); the shared-memory ring against
 the block and SM limits; the register split (the consumers' accumulators fit the
 setmaxnreg target, the targets fit the register file); the TMA's box and stride limits;
-and the swizzle's 1024-byte alignment of every tile.
+and the swizzle atom's alignment of every tile.
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ F32_BYTES = 4
 #: rows a consumer warpgroup owns: the M of wgmma m64nNk16
 WARPGROUP_ROWS = 64
 WARPGROUP_THREADS = 128
-#: the 128-byte swizzle: a row of 64 two-byte elements; the pattern repeats every 8 rows
+#: the 128-byte swizzle: a row of 64 two-byte elements; the pattern repeats every 8 rows.
+#: head_dims that are not whole 128-byte rows (96) take the 64-byte swizzle (32 elements).
 SWIZZLE_ROW_BYTES = 128
-SWIZZLE_ATOM_BYTES = 1024
+NARROW_SWIZZLE_ROW_BYTES = 64
+SWIZZLE_ATOM_ROWS = 8
 #: TMA limits (cuTensorMapEncodeTiled): box dimensions, global strides, global dimensions
 TMA_MAX_BOX = 256
 TMA_STRIDE_ALIGN = 16
@@ -66,7 +68,7 @@ SM90_REGISTERS_PER_SM = 65536
 #: results) stay within accumulators + P + this.
 CONSUMER_OVERHEAD_REGISTERS = 48
 #: the kernel's head dims (whole swizzle rows) and key tiles (wgmma N of the S product)
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
 BLOCK_NS = (64, 128)
 GRID_YZ_LIMIT = 65535
 #: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
@@ -100,8 +102,17 @@ def consumer_registers_needed(block_n: int, head_dim: int, overlap: bool = False
     return block_n // 2 + head_dim // 2 + p_sets * block_n // 4 + CONSUMER_OVERHEAD_REGISTERS
 
 
+def swizzle_row_bytes(head_dim: int) -> int:
+    """The kernel's swizzle span for ``head_dim`` (its SWIZZLE_BYTES): 128 bytes where rows
+    are whole 64-element chunks, else 64 (head_dim 96: chunks of 32 elements)."""
+    if head_dim * ELEMENT_BYTES % SWIZZLE_ROW_BYTES == 0:
+        return SWIZZLE_ROW_BYTES
+    return NARROW_SWIZZLE_ROW_BYTES
+
+
 def tma_verdict(head_dim: int, rows: int, heads: int, box_rows: int) -> str:
-    """A 3-D tensor map {head_dim, rows, heads} with a box {64, box_rows, 1} ("" when fine)."""
+    """A 3-D tensor map {head_dim, rows, heads} with a box {swizzle row, box_rows, 1}
+    ("" when fine)."""
     if box_rows > TMA_MAX_BOX:
         return f"a TMA box of {box_rows} rows exceeds the {TMA_MAX_BOX}-element box limit"
     row_bytes = head_dim * ELEMENT_BYTES
@@ -113,14 +124,19 @@ def tma_verdict(head_dim: int, rows: int, heads: int, box_rows: int) -> str:
 
 
 def swizzle_verdict(consumers: int, block_n: int, stages: int, head_dim: int) -> str:
-    """Every tile's 64-column chunks start on a 1024-byte swizzle atom ("" when they do)."""
-    chunks = head_dim * ELEMENT_BYTES // SWIZZLE_ROW_BYTES
-    offsets = [c * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES for c in range(chunks * consumers)]
+    """Every tile's column chunks start on a swizzle atom (8 rows of the swizzle span) and
+    the rows are whole chunks ("" when they do)."""
+    row = swizzle_row_bytes(head_dim)
+    atom = SWIZZLE_ATOM_ROWS * row
+    if head_dim * ELEMENT_BYTES % row:
+        return f"head_dim={head_dim} is not whole {row}-byte swizzle rows"
+    chunks = head_dim * ELEMENT_BYTES // row
+    offsets = [c * WARPGROUP_ROWS * row for c in range(chunks * consumers)]
     ring = consumers * WARPGROUP_ROWS * head_dim * ELEMENT_BYTES
-    offsets += [ring + c * block_n * SWIZZLE_ROW_BYTES for c in range(2 * stages * chunks)]
-    misaligned = [o for o in offsets if o % SWIZZLE_ATOM_BYTES]
-    if head_dim * ELEMENT_BYTES % SWIZZLE_ROW_BYTES or misaligned:
-        return f"tiles at {misaligned[:3]} B miss the 128-byte swizzle's 1024-byte atoms"
+    offsets += [ring + c * block_n * row for c in range(2 * stages * chunks)]
+    misaligned = [o for o in offsets if o % atom]
+    if misaligned:
+        return f"tiles at {misaligned[:3]} B miss the {row}-byte swizzle's {atom}-byte atoms"
     return ""
 
 
@@ -128,11 +144,13 @@ def wgmma_tensor_maps(
     plan: KernelPlan, buffers: DeviceBuffers
 ) -> tuple[TensorMap, TensorMap, TensorMap]:
     """The kernel's Q, K and V maps: 3-D ``{head_dim, rows, heads}`` (row-major
-    ``[heads][rows][head_dim]``), a box of 64 columns (one 128-byte swizzle row) by a
-    consumer's 64 query rows or a ``block_n``-key tile, 128-byte swizzle. Rows past a head's
-    end read as zeros, which the kernel masks (keys) or does not store (queries)."""
+    ``[heads][rows][head_dim]``), a box of one swizzle row (64 columns in the 128-byte
+    swizzle, 32 in the 64-byte one at head_dim 96) by a consumer's 64 query rows or a
+    ``block_n``-key tile. Rows past a head's end read as zeros, which the kernel masks
+    (keys) or does not store (queries)."""
     p = plan.problem
     d, row_bytes = p.head_dim, p.head_dim * ELEMENT_BYTES
+    swizzle = swizzle_row_bytes(d)
 
     def map_over(buffer: str, address: int, rows: int, heads: int, box_rows: int) -> TensorMap:
         return TensorMap(
@@ -141,8 +159,8 @@ def wgmma_tensor_maps(
             dtype=p.dtype,
             dims=(d, rows, heads),
             strides_bytes=(row_bytes, rows * row_bytes),
-            box=(SWIZZLE_ROW_BYTES // ELEMENT_BYTES, box_rows, 1),
-            swizzle_bytes=SWIZZLE_ROW_BYTES,
+            box=(swizzle // ELEMENT_BYTES, box_rows, 1),
+            swizzle_bytes=swizzle,
         )
 
     kv_heads = p.batch * p.kv_heads
@@ -196,7 +214,7 @@ class WgmmaF16(KernelFamily):
         elif device.compute_capability != (9, 0):
             reason = f"wgmma and setmaxnreg need sm_90a; the device is {device.arch}"
         elif d not in HEAD_DIMS:
-            reason = f"head_dim={d} is not one of {HEAD_DIMS} (whole 128-byte swizzle rows)"
+            reason = f"head_dim={d} is not one of {HEAD_DIMS} (whole swizzle rows)"
         elif consumers not in (1, 2):
             reason = f"consumers={consumers}: one or two consumer warpgroups"
         elif block_n not in BLOCK_NS:
