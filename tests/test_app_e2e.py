@@ -9,16 +9,15 @@ from __future__ import annotations
 import importlib.util
 import io
 import signal
-import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
 from hydra import compose, initialize_config_dir
+from interrupted_tuner import interrupt_tuner
 
 from db import PlanRegistry
 from kernels import build
@@ -339,29 +338,14 @@ def test_cli_ctrl_c_keeps_the_best_so_far_and_the_rerun_continues(tmp_path):
         "search.stop=false",
         *urls(tmp_path),
     ]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tuner",
-            *overrides,
-            "search.n_trials=400",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
+    done = interrupt_tuner(
+        [*overrides, "search.n_trials=400", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        tmp_path / "s.sqlite",
+        signal.SIGINT,
     )
-    try:
-        _wait_for_finished_trials(tmp_path / "s.sqlite", 4, process)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 130, stderr
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 130, stderr
     assert "interrupted (Ctrl-C): the study keeps its finished trials" in stdout
     assert HEADER in stdout and "registry: best so far " in stdout
     assert stored(tmp_path, Problem(4096, 128)) is not None
@@ -373,21 +357,3 @@ def test_cli_ctrl_c_keeps_the_best_so_far_and_the_rerun_continues(tmp_path):
     after = evaluated_keys(tmp_path)
     assert len(after) == len(before) + 3 == len(set(after))
     assert after[: len(before)] == before
-
-
-def _wait_for_finished_trials(path: Path, count: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()
-        if path.exists():
-            try:
-                with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-                    (finished,) = db.execute(
-                        "SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'"
-                    ).fetchone()
-                if finished >= count:
-                    return
-            except sqlite3.Error:
-                pass  # tables not created yet
-        time.sleep(0.1)
-    raise AssertionError("the tuner finished no trials in time")

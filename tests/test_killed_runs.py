@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ import optuna
 import pytest
 from faulty_backend import RecordingBackend
 from hydra import compose, initialize_config_dir
+from interrupted_tuner import interrupt_tuner
 from optuna.trial import TrialState
 
 import tuner.app as app
@@ -161,11 +161,8 @@ def test_sigterm_stores_the_best_so_far_and_exits_143(tmp_path: Path) -> None:
         f"registry.url=sqlite:///{tmp_path / 'r.sqlite'}",
         f"search.storage=sqlite:///{tmp_path / 's.sqlite'}",
     ]
-    process = subprocess.Popen(
+    done = interrupt_tuner(
         [
-            sys.executable,
-            "-m",
-            "tuner",
             "seq_len=4096",
             "head_dim=128",
             "dtype=float32",
@@ -174,20 +171,12 @@ def test_sigterm_stores_the_best_so_far_and_exits_143(tmp_path: Path) -> None:
             *urls,
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
+        tmp_path,
+        tmp_path / "s.sqlite",
+        signal.SIGTERM,
     )
-    try:
-        wait_for_finished_trials(tmp_path / "s.sqlite", 4, process)
-        process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 143, stderr
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 143, stderr
     assert "interrupted (SIGTERM): the study keeps its finished trials" in stdout
     assert "stopped: interrupted (SIGTERM)" in stdout
     assert "registry: best so far " in stdout and "Traceback" not in stderr
@@ -228,21 +217,3 @@ def test_sigterm_in_process_is_ctrl_c_with_its_own_status(
     assert status == 143
     assert "interrupted (SIGTERM)" in out.getvalue()
     assert "registry: best so far " in out.getvalue()
-
-
-def wait_for_finished_trials(path: Path, count: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()
-        if path.exists():
-            try:
-                with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-                    (finished,) = db.execute(
-                        "SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'"
-                    ).fetchone()
-                if finished >= count:
-                    return
-            except sqlite3.Error:
-                pass  # tables not created yet
-        time.sleep(0.1)
-    raise AssertionError("the tuner finished no trials in time")

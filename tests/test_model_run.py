@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import optuna
 import pytest
 from hydra import compose, initialize_config_dir
+from interrupted_tuner import interrupt_tuner
 
 from db import PlanRegistry
 from tuner.config import typed_config
@@ -331,29 +331,14 @@ def test_cli_ctrl_c_stores_the_best_so_far_and_the_rerun_goes_on(tmp_path):
         "model.decode_kv_lengths=[2048]",
         *urls(tmp_path),
     ]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tuner",
-            *overrides,
-            "search.n_trials=300",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
+    done = interrupt_tuner(
+        [*overrides, "search.n_trials=300", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        tmp_path / "s.sqlite",
+        signal.SIGINT,
     )
-    try:
-        _wait_for_finished_trials(tmp_path / "s.sqlite", 4, process)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 130, stderr
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert "not reached: 1 of the problems (rerun the command to continue)" in stdout
     assert len(table_rows(stdout)) == 1
@@ -368,21 +353,3 @@ def test_cli_ctrl_c_stores_the_best_so_far_and_the_rerun_goes_on(tmp_path):
     assert f"continuing ({done} of {done + 2} trials done)" in rerun.stdout
     assert "problem 2/2: 1x32/8x1:2048x128 bfloat16 causal" in rerun.stdout
     assert sorted(counted_trials(tmp_path).values()) == [done + 2, done + 2]
-
-
-def _wait_for_finished_trials(path: Path, count: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()
-        if path.exists():
-            try:
-                with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-                    (finished,) = db.execute(
-                        "SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'"
-                    ).fetchone()
-                if finished >= count:
-                    return
-            except sqlite3.Error:
-                pass  # tables not created yet
-        time.sleep(0.1)
-    raise AssertionError("the tuner finished no trials in time")
