@@ -189,6 +189,15 @@ class DeviceRunner:
 
     def _resolve(self, problem: Problem, exact: bool) -> AttentionHandle:
         chosen, scratch = self._chosen(problem, exact)
+        return self.handle_of(chosen, scratch)
+
+    def handle_of(
+        self, chosen: ChosenPlan, scratch: SplitScratch | None = None
+    ) -> AttentionHandle:
+        """A handle of the given forward plan (compiled and loaded now; not cached): what
+        ``handle`` resolves to, and what a benchmark times plan by plan. ``scratch``: a KV
+        bucket's shared split scratch (``None``: the handle's own)."""
+        problem = chosen.plan.problem
         launches = launch_sequence(chosen.plan, BUFFER_MARKERS)
         functions = self.load(chosen.plan, launches)
         return AttentionHandle(
