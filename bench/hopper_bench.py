@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="the JSON results file")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--candidates", type=int, default=4, help="wgmma_f16 plans a shape")
+    parser.add_argument("--candidates", type=int, default=6, help="wgmma_f16 plans a shape")
     parser.add_argument("--mma-candidates", type=int, default=2, help="mma_f16 plans a shape")
     parser.add_argument("--repetitions", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)

@@ -21,9 +21,10 @@
 //   memory, MN-major (head_dim contiguous), i.e. imm-trans-b = 1.
 // OVERLAP = 0 waits for each GEMM before the softmax that reads it; OVERLAP = 1 is
 // FlashAttention-3's intra-warpgroup overlap (the softmax of S(t) runs while P V(t-1) is
-// in the tensor cores; see the consumer loop). No ping-pong named barriers between the two
-// consumers yet; with CONSUMERS = 2 the warp schedulers interleave one group's softmax
-// with the other's wgmma on their own.
+// in the tensor cores; see the consumer loop). PINGPONG = 1 (with OVERLAP and two consumers)
+// is FlashAttention-3's inter-warpgroup ping-pong: the consumers take turns issuing their
+// GEMMs (named barriers 1 and 2), so one group's softmax runs under the other's GEMMs;
+// without it the warp schedulers interleave the two groups on their own.
 //
 // Shared memory: every tile of R rows x HEAD_DIM is stored as HEAD_DIM / C column chunks
 // of R rows x 2C bytes (C = CHUNK_COLS: 64 columns in the 128-byte swizzle where head_dim is
@@ -82,6 +83,9 @@
 #ifndef OVERLAP
 #define OVERLAP 0  // 1: FA3's intra-warpgroup overlap of softmax(t) with P V(t-1)
 #endif
+#ifndef PINGPONG
+#define PINGPONG 0  // 1: FA3's inter-warpgroup ping-pong (two consumers, with OVERLAP)
+#endif
 #ifndef PRODUCER_REGISTERS
 #define PRODUCER_REGISTERS 24
 #endif
@@ -111,6 +115,7 @@ static_assert(HEAD_DIM % CHUNK_COLS == 0 && HEAD_DIM <= 256,
               "head_dim of whole swizzled chunks (64 or 32 columns), up to 256");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128");
 static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+static_assert(!PINGPONG || (CONSUMERS == 2 && OVERLAP), "the ping-pong: two consumers, overlapped");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
 static_assert(SMEM_BYTES <= 232448, "227 KB of shared memory a block on sm_90");
 static_assert(BLOCKS_PER_SM * SMEM_BYTES <= 233472, "228 KB of shared memory an SM");
@@ -169,6 +174,24 @@ struct TileSoftmax {
         if (mask.partial(key0, BLOCK_N, wg_row0, wg_row0 + 63))
             mask.apply<S_REGS / 4>(s_acc, key0, rows, lane);
         state.update<S_REGS / 4>(s_acc, score_mod.softmax_scale(), correction);
+    }
+};
+
+// The ping-pong's turns (PINGPONG): consumer c issues its GEMMs between a sync on named
+// barrier 1 + c and an arrive on the other consumer's barrier (256 threads each: the owner's
+// sync and the other's arrive). Consumer 0 arrives on its own barrier once to take the first
+// turn; consumer 1 skips its last arrive (no turn of consumer 0 follows), so every phase that
+// starts completes and no barrier is left half-arrived at exit.
+struct GemmTurns {
+    int consumer;
+    __device__ __forceinline__ void start(int tiles) const {
+        if (PINGPONG && consumer == 0 && tiles > 0) fa::named_barrier_arrive(1, 256);
+    }
+    __device__ __forceinline__ void take() const {
+        if (PINGPONG) fa::named_barrier_sync(1 + consumer, 256);
+    }
+    __device__ __forceinline__ void pass(bool last = false) const {
+        if (PINGPONG && !(last && consumer == 1)) fa::named_barrier_arrive(2 - consumer, 256);
     }
 };
 
@@ -305,6 +328,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
         // P alternates between two register sets (the loop is unrolled by two): packing P(t)
         // into the registers P V(t-1) is still reading would make ptxas wait for that product
         // before the softmax (seen in SASS as wait_group 0 hoisted above the exp2s).
+        const GemmTurns turns{consumer};
         uint32_t p_a[BLOCK_N / 16][4], p_b[BLOCK_N / 16][4];
         auto overlapped_tile = [&](int t, const uint32_t(*p_previous)[4], uint32_t(*p_next)[4]) {
             const int stage = t % STAGES;
@@ -315,11 +339,13 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             fa::mbar_wait(k_full + 8 * stage, parity);
             fa::mbar_wait(v_full + 8 * previous, previous_parity);
             fa::fence_registers<O_REGS>(o_acc);
+            turns.take();
             fa::wgmma_fence();
             issue_s(s_acc, q_tile, s_k + stage * KV_TILE_BYTES);
             fa::wgmma_commit();
             issue_pv(o_acc, p_previous, s_v + previous * KV_TILE_BYTES);
             fa::wgmma_commit();
+            turns.pass();
             fa::wgmma_wait<1>();  // S(t) has landed
             fa::fence_registers<S_REGS>(s_acc);
             float correction[2];
@@ -345,20 +371,25 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             const int last = (tiles.count - 1) % STAGES;
             fa::mbar_wait(v_full + 8 * last, ((tiles.count - 1) / STAGES) & 1);
             fa::fence_registers<O_REGS>(o_acc);
+            turns.take();
             fa::wgmma_fence();
             issue_pv(o_acc, p_last, s_v + last * KV_TILE_BYTES);
             fa::wgmma_commit();
+            turns.pass(/*last=*/true);
             fa::wgmma_wait<0>();
             fa::fence_registers<O_REGS>(o_acc);
             __syncwarp();
             if (lane == 0) fa::mbar_arrive(kv_empty + 8 * last);
         };
+        turns.start(tiles.count);
         if (tiles.count > 0) {
             float s_acc[S_REGS];
             fa::mbar_wait(k_full, 0);
+            turns.take();
             fa::wgmma_fence();
             issue_s(s_acc, q_tile, s_k);
             fa::wgmma_commit();
+            turns.pass();
             fa::wgmma_wait<0>();
             fa::fence_registers<S_REGS>(s_acc);
             float correction[2];

@@ -70,8 +70,8 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
     assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/o0/s1"
     assert FAMILY.compile_defines(p) == {
         "HEAD_DIM": 128, "CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "CAUSAL": 0,
-        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PRODUCER_REGISTERS": 24,
-        "CONSUMER_REGISTERS": 240,
+        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PINGPONG": 0,
+        "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240,
     }
     # every define is a macro the kernel (or its variant switches header) reads
     text = "".join(path.read_text() for path in build.included_files(KERNEL))
@@ -89,6 +89,9 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
         ({"stages": 5}, BF16, "2 to 4 stages"),
         ({"consumers": 3}, BF16, "one or two consumer warpgroups"),
         ({"blocks_per_sm": 2, "consumers": 2}, BF16, "2 only with 1"),
+        ({"pingpong": 1, "overlap": 0}, BF16, "two consumers, with overlap=1"),
+        ({"pingpong": 1, "overlap": 1, "consumers": 1}, BF16, "two consumers, with overlap=1"),
+        ({"pingpong": 2, "overlap": 1}, BF16, "pingpong=2: 0 or 1"),
         # 32768 + 4 x 65536 + ... > 232448
         ({"stages": 4}, BF16, "exceeds the device's per-block opt-in limit 232448 B"),
         # two blocks of 148536 B do not share one SM's 233472 B
@@ -156,6 +159,19 @@ def test_launches_lead_with_the_three_tensor_maps(registered: None) -> None:
     assert [int(a) for a in attention.args[3:7]] == [0x1000, 0x2000, 0x3000, 0x4000]
     assert [int(a) for a in attention.args[9:13]] == [1000, 1500, 4, p.keys_per_sequence_split]
     assert attention.block == (384, 1, 1) and attention.grid == (8, 1, 32)
+
+
+def test_the_ping_pong_is_a_tunable_of_the_overlapped_two_consumer_plan(registered: None) -> None:
+    p = plan(overlap=1, pingpong=1, stages=3)
+    assert p.feasible, p.reason
+    assert FAMILY.compile_defines(p)["PINGPONG"] == 1
+    # keys stored before the tunable existed are the keys of pingpong=0 plans
+    assert FAMILY.key(p) == "wgmma_f16/c2/n128/st3/b1/o1/p1/s1"
+    assert FAMILY.key(plan(overlap=1, stages=3)) == "wgmma_f16/c2/n128/st3/b1/o1/s1"
+    stored = KernelParams.from_stored("wgmma_f16", {"consumers": 2, "overlap": 1})
+    assert stored.pingpong == 0
+    source = KERNEL.read_text()
+    assert "#ifndef PINGPONG" in source and "fa::named_barrier_sync(1 + consumer, 256)" in source
 
 
 def test_head_dim_96_takes_the_64_byte_swizzle(registered: None) -> None:

@@ -116,6 +116,18 @@ __device__ __forceinline__ uint64_t swizzled_mn_major(uint32_t tile, int rows, i
                                           8 * SWIZZLE_BYTES);
 }
 
+// ---------------------------------------------------------------- named barriers
+
+// bar.sync / bar.arrive on barrier `id` (1..15; 0 is __syncthreads) of `threads` threads, a
+// multiple of 32 counted in whole warps: sync waits for the phase to complete, arrive counts
+// the calling warps in without waiting (PTX ISA, "bar, barrier").
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---------------------------------------------------------------- registers
 
 // Warpgroup-wide register budget changes (the producer gives, the consumers take).

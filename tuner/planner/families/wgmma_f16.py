@@ -3,7 +3,9 @@
 A block is one producer warpgroup (one thread issues TMA loads) and ``consumers``
 consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``); with
 ``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor
-cores (FlashAttention-3's intra-warpgroup overlap). K/V tiles of ``block_n`` keys stream
+cores (FlashAttention-3's intra-warpgroup overlap), and with ``pingpong`` as well the two
+consumers take turns issuing their GEMMs (FlashAttention-3's inter-warpgroup ping-pong:
+one group's softmax under the other's GEMMs). K/V tiles of ``block_n`` keys stream
 through a ``stages``-deep ring in shared memory in the 128-byte swizzle (the 64-byte one at
 head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32
 accumulators in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers
@@ -185,6 +187,7 @@ class WgmmaF16(KernelFamily):
         Tunable("blocks_per_sm", 1, (1, 2)),
         Tunable("overlap", 0, (0, 1)),
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
+        Tunable("pingpong", 0, (0, 1)),
     )
     heatmap_axes = ("block_n", "consumers")
 
@@ -223,6 +226,10 @@ class WgmmaF16(KernelFamily):
             reason = f"stages={stages}: the ring holds 2 to 4 stages"
         elif params.overlap not in (0, 1):
             reason = f"overlap={params.overlap}: 0 or 1"
+        elif params.pingpong not in (0, 1):
+            reason = f"pingpong={params.pingpong}: 0 or 1"
+        elif params.pingpong and (consumers != 2 or not params.overlap):
+            reason = "the ping-pong takes turns between two consumers, with overlap=1"
         elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
             reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
         if not reason:
@@ -309,6 +316,7 @@ class WgmmaF16(KernelFamily):
             "IS_FP16": int(p.dtype == "float16"),
             "BLOCKS_PER_SM": params.blocks_per_sm,
             "OVERLAP": params.overlap,
+            "PINGPONG": params.pingpong,
             "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
             # Every sm_90 part has 64K registers an SM (plans carry no device profile).
             "CONSUMER_REGISTERS": consumer_registers(
@@ -319,9 +327,11 @@ class WgmmaF16(KernelFamily):
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
+        # "/p1" only with the ping-pong: the keys registries hold from before it stay valid
+        pingpong = "/p1" if params.pingpong else ""
         return (
             f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
-            f"/b{params.blocks_per_sm}/o{params.overlap}/s{plan.sequence_splits}"
+            f"/b{params.blocks_per_sm}/o{params.overlap}{pingpong}/s{plan.sequence_splits}"
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
