@@ -245,10 +245,12 @@ class PlanChooser:
             return f"{record.family} kernels take {takes}, not {problem.dtype}"
         if reason := family.direction_verdict(problem):
             return reason
+        # a tunable added since the row was written: fine where it says what such rows
+        # ran with (Tunable.stored_before), an incomplete plan otherwise
         missing = [
             tunable.name
             for tunable in family_named(record.family).tunables
-            if tunable.name not in record.params
+            if tunable.name not in record.params and tunable.stored_before is None
         ]
         if missing:
             return f"{record.family} {record.params} lacks tunables {', '.join(missing)}"

@@ -149,3 +149,26 @@ def test_the_db_cli_names_a_problem_by_direction(registry: PlanRegistry, capsys)
     assert "mma_f16_bwd" in capsys.readouterr().out
     assert main(["best", *shape]) != 0  # forward, the default: no plan
     assert "no plan for 4x16x4096x128 bfloat16 causal" in capsys.readouterr().out
+
+
+def test_a_plan_stored_before_a_tunable_existed_is_served_with_what_it_ran(
+    registry: PlanRegistry,
+) -> None:
+    """A wgmma_f16 row written before the ping-pong tunable (H200 suite, 2026-12-04: the
+    chooser refused it as lacking ``pingpong``) is served with pingpong=0, the kernel it ran;
+    a row lacking a tunable that declares no such value is still refused."""
+    old = {"consumers": 2, "block_n": 128, "stages": 3, "blocks_per_sm": 1, "overlap": 1,
+           "split_target": 1 << 16}  # fmt: skip
+    registry.record(FORWARD, H200, record("wgmma_f16", old, 1.0))
+    chooser = PlanChooser(registry, H200, H200_PROFILE, source_hashes={}, check=lambda p: p)
+    chosen = chooser.plan_for(FORWARD)
+    assert chosen.origin == "registry", chosen.warnings
+    assert chosen.plan.key() == "wgmma_f16/c2/n128/st3/b1/o1/s1"
+    assert chosen.plan.params.pingpong == 0
+
+    other = dataclasses.replace(FORWARD, seq_len=2048, kv_len=2048)
+    lacking = {k: v for k, v in FORWARD_PARAMS.items() if k != "s_groups"}
+    registry.record(other, H200, record("mma_f16", lacking, 1.0))
+    refused = chooser.plan_for(other)
+    assert refused.origin == "default"
+    assert any("lacks tunables s_groups" in note for note in refused.warnings)

@@ -56,12 +56,18 @@ class KernelParams:
         Tunables the family has retired (``KernelFamily.retired_tunables``:
         rows written before tunables became per-family carry ``tile_size``,
         ``rows_per_block`` and ``split_target`` for every family) are dropped;
-        any other unknown name is refused with ``PlanError``.
+        any other unknown name is refused with ``PlanError``. A tunable added since the
+        row was written takes its ``stored_before`` value (what the row's kernel ran with)
+        where it declares one, else its default.
         """
         from tuner.planner.families import family_named
 
-        retired = family_named(family).retired_tunables
+        spec = family_named(family)
+        retired = spec.retired_tunables
         kept = {k: int(v) for k, v in stored.items() if k != "family" and k not in retired}
+        for tunable in spec.tunables:
+            if tunable.name not in kept and tunable.stored_before is not None:
+                kept[tunable.name] = tunable.stored_before
         return cls(family, **kept)
 
     @property

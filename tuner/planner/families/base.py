@@ -62,6 +62,9 @@ class Tunable:
     axis: str = ""
     #: the Optuna parameter the sampler proposes it as; default ``<family>.<name>``
     sampler: str = ""
+    #: the value a plan stored before this tunable existed ran with (its kernel compiled
+    #: the same as with this value); ``None``: such a plan is refused as incomplete
+    stored_before: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

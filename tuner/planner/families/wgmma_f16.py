@@ -187,7 +187,8 @@ class WgmmaF16(KernelFamily):
         Tunable("blocks_per_sm", 1, (1, 2)),
         Tunable("overlap", 0, (0, 1)),
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
-        Tunable("pingpong", 0, (0, 1)),
+        # plans stored before the ping-pong existed ran without it (the same SASS)
+        Tunable("pingpong", 0, (0, 1), stored_before=0),
     )
     heatmap_axes = ("block_n", "consumers")
 
