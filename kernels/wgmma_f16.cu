@@ -7,8 +7,12 @@
 // every load with the tensor memory accelerator (cp.async.bulk.tensor.3d), the other 127
 // idle. K and V tiles of BLOCK_N keys stream through a STAGES-deep ring in shared memory:
 //   k_full[s], v_full[s]: the producer's arrive.expect_tx; the TMA completes the bytes;
-//   kv_empty[s]: one arrive per consumer warp (4 * CONSUMERS) once its P V product has read
-//   the slot; the producer waits on it before refilling the slot.
+//   k_empty[s], v_empty[s]: one arrive per consumer warp (4 * CONSUMERS) once its S product
+//   has read the K tile, and once its P V product has read the V tile; the producer waits on
+//   each before refilling that half of the slot. K is released as soon as S lands (as in
+//   FlashAttention-3's separate K and V pipelines): with OVERLAP, P V(t) runs a tile later
+//   than S(t), and one release for both would hold K(t)'s slot a whole tile longer, which
+//   starves a 2-stage ring (head_dim 192/256, where only 2 stages fit).
 // setmaxnreg moves registers from the producer (24 a thread) to the consumers.
 //
 // Per tile, per consumer warpgroup:
@@ -106,7 +110,7 @@
 #define K_OFFSET (CONSUMERS * Q_TILE_BYTES)
 #define V_OFFSET (K_OFFSET + STAGES * KV_TILE_BYTES)
 #define BARRIER_OFFSET (V_OFFSET + STAGES * KV_TILE_BYTES)
-#define BARRIERS (1 + 3 * STAGES)                 // q_full, k_full[], v_full[], kv_empty[]
+#define BARRIERS (1 + 4 * STAGES)  // q_full, k_full[], v_full[], k_empty[], v_empty[]
 #define SMEM_BYTES (BARRIER_OFFSET + 8 * BARRIERS + 1024)
 #define S_REGS (BLOCK_N / 2)                      // S accumulators a thread (m64nBLOCK_N f32)
 #define O_REGS (HEAD_DIM / 2)                     // O accumulators a thread
@@ -216,7 +220,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
     const uint32_t q_full = base + BARRIER_OFFSET;
     const uint32_t k_full = q_full + 8;                // + 8 * stage
     const uint32_t v_full = k_full + 8 * STAGES;
-    const uint32_t kv_empty = v_full + 8 * STAGES;
+    const uint32_t k_empty = v_full + 8 * STAGES;
+    const uint32_t v_empty = k_empty + 8 * STAGES;
 
     const int tid = threadIdx.x;
     const int warpgroup = tid / 128;  // 0: producer, 1..CONSUMERS: consumers
@@ -236,7 +241,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
         for (int s = 0; s < STAGES; ++s) {
             fa::mbar_init(k_full + 8 * s, 1);
             fa::mbar_init(v_full + 8 * s, 1);
-            fa::mbar_init(kv_empty + 8 * s, 4 * CONSUMERS);
+            fa::mbar_init(k_empty + 8 * s, 4 * CONSUMERS);
+            fa::mbar_init(v_empty + 8 * s, 4 * CONSUMERS);
         }
         fa::mbar_fence_init();
     }
@@ -259,13 +265,14 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             for (int t = 0; t < tiles.count; ++t) {
                 const int stage = t % STAGES;
                 const uint32_t parity = (t / STAGES) & 1;
-                fa::mbar_wait(kv_empty + 8 * stage, parity ^ 1);
                 const int key0 = tiles.begin + t * BLOCK_N;
+                fa::mbar_wait(k_empty + 8 * stage, parity ^ 1);
                 fa::mbar_arrive_expect_tx(k_full + 8 * stage, KV_TILE_BYTES);
 #pragma unroll
                 for (int chunk = 0; chunk < CHUNKS; ++chunk)
                     fa::tma_load_3d(s_k + stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
                                     &k_map, chunk * CHUNK_COLS, key0, kv_head, k_full + 8 * stage);
+                fa::mbar_wait(v_empty + 8 * stage, parity ^ 1);
                 fa::mbar_arrive_expect_tx(v_full + 8 * stage, KV_TILE_BYTES);
 #pragma unroll
                 for (int chunk = 0; chunk < CHUNKS; ++chunk)
@@ -303,6 +310,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             fa::wgmma_commit();
             fa::wgmma_wait<0>();
             fa::fence_registers<S_REGS>(s_acc);
+            __syncwarp();  // this warp's share of S has read the K tile
+            if (lane == 0) fa::mbar_arrive(k_empty + 8 * stage);
             float correction[2];
             softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
             fa::rescale_rows<O_REGS / 4>(o_acc, correction);
@@ -316,9 +325,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             fa::wgmma_commit();
             fa::wgmma_wait<0>();
             fa::fence_registers<O_REGS>(o_acc);
-            // This warp has read the slot (K by the S product, V by this one).
-            __syncwarp();
-            if (lane == 0) fa::mbar_arrive(kv_empty + 8 * stage);
+            __syncwarp();  // and P V the V tile
+            if (lane == 0) fa::mbar_arrive(v_empty + 8 * stage);
         }
 #else
         // FlashAttention-3's intra-warpgroup overlap: S(t) is issued, then P(t-1) V(t-1);
@@ -351,8 +359,12 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             float correction[2];
             softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
             pack_p(s_acc, p_next);
-            // P(t-1) V(t-1) has landed after this wait: its slot is free. ptxas schedules a
-            // wait with no operands as early as its basic block allows, i.e. above the
+            // K(t)'s slot is free since S(t) landed; released here, where S's registers
+            // have become P's (right after the wait, head_dim 256 spilled)
+            __syncwarp();
+            if (lane == 0) fa::mbar_arrive(k_empty + 8 * stage);
+            // P(t-1) V(t-1) has landed after this wait: V(t-1)'s slot is free. ptxas schedules
+            // a wait with no operands as early as its basic block allows, i.e. above the
             // softmax, which would undo the overlap (seen in SASS); behind a branch on the
             // row sums (which need every exp2 of the tile) it stays below the softmax. The
             // branch is always taken unless a sum is NaN, and then waits all the same.
@@ -364,7 +376,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             }
             fa::fence_registers<O_REGS>(o_acc);
             __syncwarp();
-            if (lane == 0) fa::mbar_arrive(kv_empty + 8 * previous);
+            if (lane == 0) fa::mbar_arrive(v_empty + 8 * previous);
             fa::rescale_rows<O_REGS / 4>(o_acc, correction);
         };
         auto last_product = [&](const uint32_t(*p_last)[4]) {
@@ -379,7 +391,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             fa::wgmma_wait<0>();
             fa::fence_registers<O_REGS>(o_acc);
             __syncwarp();
-            if (lane == 0) fa::mbar_arrive(kv_empty + 8 * last);
+            if (lane == 0) fa::mbar_arrive(v_empty + 8 * last);
         };
         turns.start(tiles.count);
         if (tiles.count > 0) {
@@ -392,6 +404,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             turns.pass();
             fa::wgmma_wait<0>();
             fa::fence_registers<S_REGS>(s_acc);
+            __syncwarp();
+            if (lane == 0) fa::mbar_arrive(k_empty);
             float correction[2];
             softmax(s_acc, tiles.begin, correction);  // O is still 0
             pack_p(s_acc, p_a);

@@ -75,7 +75,7 @@ BLOCK_NS = (64, 128)
 GRID_YZ_LIMIT = 65535
 #: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
 NON_MATMUL_FLOPS_PER_PAIR = 5
-#: mbarriers: q_full, then k_full, v_full and kv_empty per stage; 8 bytes each
+#: mbarriers: q_full, then k_full, v_full, k_empty and v_empty per stage; 8 bytes each
 BARRIER_BYTES = 8
 #: the kernel rounds its dynamic shared base up to 1024 bytes: it asks for that much more
 ALIGNMENT_SLACK = 1024
@@ -86,7 +86,7 @@ def wgmma_f16_shared_bytes(consumers: int, block_n: int, stages: int, head_dim: 
     tile, the K and V ring, the mbarriers, and the alignment slack."""
     q_tiles = consumers * WARPGROUP_ROWS * head_dim * ELEMENT_BYTES
     ring = 2 * stages * block_n * head_dim * ELEMENT_BYTES
-    return q_tiles + ring + BARRIER_BYTES * (1 + 3 * stages) + ALIGNMENT_SLACK
+    return q_tiles + ring + BARRIER_BYTES * (1 + 4 * stages) + ALIGNMENT_SLACK
 
 
 def consumer_registers(consumers: int, blocks_per_sm: int, registers_per_sm: int) -> int:
