@@ -90,6 +90,9 @@
 #ifndef PINGPONG
 #define PINGPONG 0  // 1: FA3's inter-warpgroup ping-pong (two consumers, with OVERLAP)
 #endif
+#ifndef STAGED_STORE
+#define STAGED_STORE 0  // 1: O goes out through shared memory in whole 16-byte rows
+#endif
 #ifndef PRODUCER_REGISTERS
 #define PRODUCER_REGISTERS 24
 #endif
@@ -198,6 +201,40 @@ struct GemmTurns {
         if (PINGPONG && !(last && consumer == 1)) fa::named_barrier_arrive(2 - consumer, 256);
     }
 };
+
+// The output of a consumer (64 rows x HEAD_DIM, scaled by each row's 1 / sum) through its
+// own Q tile, dead once the last S product has landed (STAGED_STORE): each thread writes its
+// fragment pairs into the tile in the swizzle (conflict-free: the 8 rows of a warp's store
+// land in 8 different 16-byte units), the warpgroup meets at named barrier 3 + consumer,
+// then each thread moves whole 16-byte units of a row to global memory: full 32-byte sectors,
+// where the fragment's own stores write 16 bytes of a row per quad of lanes (half of each
+// sector: Nsight Compute on the H200, 2026-12-04).
+__device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, const float* o_acc,
+                                             const float (&inv)[2], int wg_row0, int consumer,
+                                             int seq_len, int warp, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = 16 * warp + fa::fragment_row(lane, half);
+#pragma unroll
+        for (int c = 0; c < O_REGS / 4; ++c) {
+            const int column = 8 * c + fa::fragment_column(lane);
+            const uint32_t pair = fa::pack_pair<elem_t>(o_acc[4 * c + 2 * half] * inv[half],
+                                                        o_acc[4 * c + 2 * half + 1] * inv[half]);
+            fa::st_shared_u32(tile + fa::swizzled_offset<SWIZZLE_BYTES>(64, row, 2 * column),
+                              pair);
+        }
+    }
+    fa::named_barrier_sync(3 + consumer, 128);
+    constexpr int UNITS = HEAD_DIM * 2 / 16;  // 16-byte units of a row
+    const int tid = 32 * warp + lane;
+#pragma unroll
+    for (int i = 0; i < 64 * UNITS / 128; ++i) {
+        const int unit = i * 128 + tid, row = unit / UNITS, u = unit % UNITS;
+        if (wg_row0 + row >= seq_len) continue;
+        const uint4 value = fa::ld_shared_v4(tile + fa::swizzled_offset<SWIZZLE_BYTES>(64, row, 16 * u));
+        *reinterpret_cast<uint4*>(out_bh + (size_t)(wg_row0 + row) * HEAD_DIM + 8 * u) = value;
+    }
+}
 
 // ---------------------------------------------------------------- attention
 
@@ -428,17 +465,22 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
         if (splits == 1) {
             const float sink = Traits::sink(sinks, bh % heads);
             elem_t* out_bh = out + (size_t)bh * seq_len * HEAD_DIM;
+            float inv[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = my_row + 8 * half;
-                if (row >= seq_len) continue;
                 const fa::RowResult result =
                     fa::row_result(softmax.state.max[half], softmax.state.sum[half], sink);
-                fa::store_fragment_row<O_REGS / 4>(out_bh + (size_t)row * HEAD_DIM, o_acc, half,
-                                                   result.inv, lane);
+                inv[half] = result.inv;
+                if (row >= seq_len) continue;
+                if (!STAGED_STORE)
+                    fa::store_fragment_row<O_REGS / 4>(out_bh + (size_t)row * HEAD_DIM, o_acc,
+                                                       half, result.inv, lane);
                 if (lse != nullptr && lane % 4 == 0)
                     lse[(size_t)bh * seq_len + row] = fa::lse_natural(result.lse2);
             }
+            if (STAGED_STORE)
+                staged_store(out_bh, q_tile, o_acc, inv, wg_row0, consumer, seq_len, warp, lane);
         } else {
             // float32 partial output (normalised by this split's sum) and the split's
             // log2-sum-exp (-inf where the split saw no key of the row).

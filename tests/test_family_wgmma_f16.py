@@ -70,7 +70,7 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
     assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/o0/s1"
     assert FAMILY.compile_defines(p) == {
         "HEAD_DIM": 128, "CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "CAUSAL": 0,
-        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PINGPONG": 0,
+        "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PINGPONG": 0, "STAGED_STORE": 0,
         "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240,
     }
     # every define is a macro the kernel (or its variant switches header) reads
@@ -92,6 +92,9 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
         ({"pingpong": 1, "overlap": 0}, BF16, "two consumers, with overlap=1"),
         ({"pingpong": 1, "overlap": 1, "consumers": 1}, BF16, "two consumers, with overlap=1"),
         ({"pingpong": 2, "overlap": 1}, BF16, "pingpong=2: 0 or 1"),
+        ({"staged_store": 2}, BF16, "staged_store=2: 0 or 1"),
+        ({"staged_store": 1, "split_target": 2}, Problem(64, 128, kv_len=8192, dtype="bfloat16"),
+         "staged_store stores a whole output"),
         # 32768 + 4 x 65536 + ... > 232448
         ({"stages": 4}, BF16, "exceeds the device's per-block opt-in limit 232448 B"),
         # two blocks of 148552 B do not share one SM's 233472 B
@@ -169,7 +172,10 @@ def test_the_ping_pong_is_a_tunable_of_the_overlapped_two_consumer_plan(register
     assert FAMILY.key(p) == "wgmma_f16/c2/n128/st3/b1/o1/p1/s1"
     assert FAMILY.key(plan(overlap=1, stages=3)) == "wgmma_f16/c2/n128/st3/b1/o1/s1"
     stored = KernelParams.from_stored("wgmma_f16", {"consumers": 2, "overlap": 1})
-    assert stored.pingpong == 0
+    assert stored.pingpong == 0 and stored.staged_store == 0
+    staged = plan(overlap=1, pingpong=1, stages=3, staged_store=1)
+    assert staged.feasible and FAMILY.key(staged) == "wgmma_f16/c2/n128/st3/b1/o1/p1/ss/s1"
+    assert FAMILY.compile_defines(staged)["STAGED_STORE"] == 1
     source = KERNEL.read_text()
     assert "#ifndef PINGPONG" in source and "fa::named_barrier_sync(1 + consumer, 256)" in source
 

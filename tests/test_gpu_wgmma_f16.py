@@ -29,18 +29,20 @@ pytestmark = pytest.mark.gpu
 CACHE_DIR = os.environ.get("FLASH_ATTENTION_TUNER_CUBIN_CACHE", DEFAULT_CACHE_DIR)
 FAMILY = family_named("wgmma_f16")
 NAMES = ("consumers", "block_n", "stages", "blocks_per_sm", "overlap", "split_target",
-         "pingpong")
+         "pingpong", "staged_store")
 #: two consumer warpgroups and one (two blocks an SM), 64- and 128-key tiles, 2-4 stages,
-#: with and without the softmax/P V overlap and the ping-pong, and split targets giving
-#: several splits
+#: with and without the softmax/P V overlap and the ping-pong, the output from registers or
+#: staged through shared memory, and split targets giving several splits
 PLANS = (
-    (2, 128, 2, 1, 0, 1 << 16, 0),
-    (2, 128, 3, 1, 1, 1 << 16, 0),
-    (1, 64, 2, 2, 0, 3, 0),
-    (2, 64, 4, 1, 1, 2, 0),
-    (1, 64, 2, 2, 1, 1 << 16, 0),
-    (2, 128, 3, 1, 1, 1 << 16, 1),
-    (2, 64, 2, 1, 1, 2, 1),
+    (2, 128, 2, 1, 0, 1 << 16, 0, 0),
+    (2, 128, 3, 1, 1, 1 << 16, 0, 0),
+    (1, 64, 2, 2, 0, 3, 0, 0),
+    (2, 64, 4, 1, 1, 2, 0, 0),
+    (1, 64, 2, 2, 1, 1 << 16, 0, 0),
+    (2, 128, 3, 1, 1, 1 << 16, 1, 0),
+    (2, 64, 2, 1, 1, 2, 1, 0),
+    (2, 128, 3, 1, 1, 1 << 16, 1, 1),
+    (1, 64, 2, 2, 0, 1 << 16, 0, 1),
 )
 SIZE_ONLY_REASONS = ("larger than needed",)
 
@@ -195,11 +197,12 @@ def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
 #: head_dim 192 and 256: the O accumulators leave room for 64-key tiles only (the planner
 #: refuses 128-key ones for registers and shared memory), two consumers or one
 WIDE_PLANS = (
-    (2, 64, 2, 1, 0, 1 << 16, 0),
-    (2, 64, 2, 1, 1, 1 << 16, 0),
-    (1, 64, 3, 1, 1, 1 << 16, 0),
-    (1, 64, 2, 1, 0, 2, 0),
-    (2, 64, 2, 1, 1, 1 << 16, 1),
+    (2, 64, 2, 1, 0, 1 << 16, 0, 0),
+    (2, 64, 2, 1, 1, 1 << 16, 0, 0),
+    (1, 64, 3, 1, 1, 1 << 16, 0, 0),
+    (1, 64, 2, 1, 0, 2, 0, 0),
+    (2, 64, 2, 1, 1, 1 << 16, 1, 0),
+    (2, 64, 2, 1, 0, 1 << 16, 0, 1),
 )
 
 

@@ -128,6 +128,18 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Byte `byte` of row `row` of a tile stored as above (column chunks of `rows` rows x
+// SWIZZLE_BYTES, 16-byte units permuted by the swizzle): its offset from the tile's start.
+// What the TMA wrote, for code that reads or writes the tile itself (an epilogue staging
+// its output in a Q tile).
+template <int SWIZZLE_BYTES>
+__device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int byte) {
+    const int chunk = byte / SWIZZLE_BYTES, in_row = byte % SWIZZLE_BYTES;
+    const int phase = (row / (128 / SWIZZLE_BYTES)) % (SWIZZLE_BYTES / 16);
+    return chunk * rows * SWIZZLE_BYTES + row * SWIZZLE_BYTES +
+           (((in_row / 16) ^ phase) * 16 | (in_row % 16));
+}
+
 // ---------------------------------------------------------------- registers
 
 // Warpgroup-wide register budget changes (the producer gives, the consumers take).

@@ -1,23 +1,24 @@
 """``wgmma_f16`` (``kernels/wgmma_f16.cu``): Hopper FlashAttention forward on ``wgmma.mma_async``.
 
-A block is one producer warpgroup (one thread issues TMA loads) and ``consumers``
-consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``); with
-``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor
-cores (FlashAttention-3's intra-warpgroup overlap), and with ``pingpong`` as well the two
-consumers take turns issuing their GEMMs (FlashAttention-3's inter-warpgroup ping-pong:
-one group's softmax under the other's GEMMs). K/V tiles of ``block_n`` keys stream
+A block is one producer warpgroup (one thread issues TMA loads) and ``consumers`` consumer
+warpgroups of 64 query rows each (``block_m = 64 * consumers``); with ``overlap`` a consumer
+runs the softmax of tile t while P V of tile t-1 is in the tensor cores (FlashAttention-3's
+intra-warpgroup overlap), and with ``pingpong`` as well the two consumers take turns issuing
+their GEMMs (FlashAttention-3's inter-warpgroup ping-pong: one group's softmax under the
+other's GEMMs); with ``staged_store`` a consumer's output goes out through its (dead) Q tile
+in whole 16-byte rows instead of from the fragments. K/V tiles of ``block_n`` keys stream
 through a ``stages``-deep ring in shared memory in the 128-byte swizzle (the 64-byte one at
-head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32
-accumulators in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers
-a thread and the consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over
-blocks as in ``mma_f16`` (same split contract and merge).
+head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators
+in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
+consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over blocks as in
+``mma_f16`` (same split contract and merge).
 
 Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64, 96,
 128, 192 or 256 (whole swizzled rows: 64 two-byte elements in the 128-byte swizzle, 32 in
-the 64-byte one that head_dim 96 takes); the shared-memory ring against
-the block and SM limits; the register split (the consumers' accumulators fit the
-setmaxnreg target, the targets fit the register file); the TMA's box and stride limits;
-and the swizzle atom's alignment of every tile.
+the 64-byte one that head_dim 96 takes); the shared-memory ring against the block and SM
+limits; the register split (the consumers' accumulators fit the setmaxnreg target, the
+targets fit the register file); the TMA's box and stride limits; and the swizzle atom's
+alignment of every tile.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class WgmmaF16(KernelFamily):
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
         # plans stored before the ping-pong existed ran without it (the same SASS)
         Tunable("pingpong", 0, (0, 1), stored_before=0),
+        Tunable("staged_store", 0, (0, 1), stored_before=0),
     )
     heatmap_axes = ("block_n", "consumers")
 
@@ -231,6 +233,10 @@ class WgmmaF16(KernelFamily):
             reason = f"pingpong={params.pingpong}: 0 or 1"
         elif params.pingpong and (consumers != 2 or not params.overlap):
             reason = "the ping-pong takes turns between two consumers, with overlap=1"
+        elif params.staged_store not in (0, 1):
+            reason = f"staged_store={params.staged_store}: 0 or 1"
+        elif params.staged_store and splits > 1:
+            reason = f"staged_store stores a whole output; {splits} splits store partials"
         elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
             reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
         if not reason:
@@ -318,6 +324,7 @@ class WgmmaF16(KernelFamily):
             "BLOCKS_PER_SM": params.blocks_per_sm,
             "OVERLAP": params.overlap,
             "PINGPONG": params.pingpong,
+            "STAGED_STORE": params.staged_store,
             "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
             # Every sm_90 part has 64K registers an SM (plans carry no device profile).
             "CONSUMER_REGISTERS": consumer_registers(
@@ -328,11 +335,11 @@ class WgmmaF16(KernelFamily):
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
-        # "/p1" only with the ping-pong: the keys registries hold from before it stay valid
-        pingpong = "/p1" if params.pingpong else ""
+        # "/p1" and "/ss" only when on: the keys registries hold from before stay valid
+        extras = ("/p1" if params.pingpong else "") + ("/ss" if params.staged_store else "")
         return (
             f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
-            f"/b{params.blocks_per_sm}/o{params.overlap}{pingpong}/s{plan.sequence_splits}"
+            f"/b{params.blocks_per_sm}/o{params.overlap}{extras}/s{plan.sequence_splits}"
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
