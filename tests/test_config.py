@@ -245,6 +245,8 @@ def test_validate_accepts(overrides: tuple[str, ...]) -> None:
         ("search.families=[fast]", "search.families=[fast]", "scalar_online, tiled"),
         ("search.families=[]", "search.families=[]", "a non-empty list"),
         ("search.tile_sizes=[0]", "search.tile_sizes=[0]", "integers >= 1"),
+        ("+search.axes.wgmma_f16_overlap=[-1]", "search.axes={'wgmma_f16_overlap': [-1]}",
+         "lists of integers >= 0"),
         ("search.split_targets=[]", "search.split_targets=[]", "a non-empty list"),
         ("backend.name=xyz", "backend.name=xyz", "one of auto, pycuda, model, replay"),
         ("backend=replay", "backend.replay_path=null", "backend.replay_path=<file>"),
@@ -300,6 +302,16 @@ def test_space_axes_from_search_settings() -> None:
     assert axes == SpaceAxes()
     narrowed = space_axes_from(SearchConfig(families=["tiled"], tile_sizes=[64]))
     assert narrowed.families == ("tiled",) and narrowed.tile_sizes == (64,)
+
+
+def test_a_switch_narrowed_to_zero_leaves_its_mechanism_out_of_the_space() -> None:
+    # the Hopper ping-pong and staged epilogue are 0/1 switches: [0] is a valid narrowing
+    search = SearchConfig(axes={"wgmma_f16_pingpong": [0], "wgmma_f16_staged_store": [0]})
+    problem = Problem(4096, 128, batch=4, heads=16, dtype="bfloat16")
+    keys = [plan.key() for plan in candidate_space(problem, H200, space_axes_from(search)).feasible]
+    wide = [plan.key() for plan in candidate_space(problem, H200).feasible]
+    assert keys and not any("/p1" in key or "/ss" in key for key in keys)
+    assert any("/p1" in key for key in wide) and any("/ss" in key for key in wide)
 
 
 def test_rejection_summary_accounts_for_every_rejected_plan() -> None:

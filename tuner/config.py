@@ -341,8 +341,10 @@ def _workers() -> Rule:
     )
 
 
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(x) and x >= 1 for x in value)
+def _is_int_list(value: Any, minimum: int = 1) -> bool:
+    return (
+        isinstance(value, list) and bool(value) and all(_is_int(x) and x >= minimum for x in value)
+    )
 
 
 def _int_list(*, optional: bool = False) -> Rule:
@@ -359,11 +361,13 @@ def _subset_of(options: Sequence[str], *, optional: bool = False) -> Rule:
 
 
 def _axes() -> Rule:
+    # >= 0, not >= 1: the switches (overlap, pingpong, staged_store, deterministic, ...)
+    # are 0 or 1, and narrowing one to [0] is how a search leaves a mechanism out
     known = sorted(SpaceAxes().values())
     return Rule(
-        f"a mapping of tunable axes ({', '.join(known)}) to non-empty lists of integers >= 1",
+        f"a mapping of tunable axes ({', '.join(known)}) to non-empty lists of integers >= 0",
         lambda v: isinstance(v, dict)
-        and all(k in known and _is_int_list(x) for k, x in v.items()),
+        and all(k in known and _is_int_list(x, minimum=0) for k, x in v.items()),
     )
 
 
