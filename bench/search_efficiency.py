@@ -81,6 +81,7 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
+from tuner.recorded_space import recorded_tunables, unrecorded_reason
 from tuner.search import encoding_for, run_search
 from tuner.study_space import StudySpace
 from tuner.trials import SearchResult, TrialOutcome
@@ -343,8 +344,9 @@ def setup_problem(
     space = candidate_space(recording.problem, device, axes)
     feasible: list[KernelPlan] = []
     compiled_out: list[KernelPlan] = []
+    known = recorded_tunables(entry.params for entry in recording.entries.values())
     for plan in space.feasible:
-        reason = recording.rejection(plan.key())
+        reason = unrecorded_reason(plan, known) or recording.rejection(plan.key())
         if reason:
             compiled_out.append(dataclasses.replace(plan, feasible=False, reason=reason))
         else:

@@ -24,6 +24,7 @@ from tuner.planner import KernelParams, candidate_space, plan_kernel
 from tuner.planner.families import families_for
 from tuner.planner.space import SpaceAxes
 from tuner.problem import Problem
+from tuner.recorded_space import recorded_tunables, unrecorded_reason
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -161,13 +162,9 @@ def test_each_recording_replays_whole_grids_of_plans_the_planner_makes(path):
         assert families, f"{problem.label()} names no family that takes {problem.dtype}"
         grid = candidate_space(problem, H200, SpaceAxes(families=tuple(sorted(families))))
         # the grid of the tunables the recording knows: a tunable added since (e.g. the
-        # Hopper ping-pong) is recorded at its default, its other values not at all
-        known = {name for entry in recording.entries.values() for name in entry.params}
-        in_recorded_space = {
-            plan.key() for plan in grid.feasible
-            if all(plan.params.tunables[t.name] == t.default
-                   for t in plan.kernel_family.tunables if t.name not in known)
-        }
+        # Hopper ping-pong) is recorded at the value its plans ran, its others not at all
+        known = recorded_tunables(entry.params for entry in recording.entries.values())
+        in_recorded_space = {p.key() for p in grid.feasible if not unrecorded_reason(p, known)}
         assert set(recording.entries) == in_recorded_space
         timed = 0
         for key, entry in recording.entries.items():

@@ -62,6 +62,7 @@ from tuner.planner.tunable import KernelPlan
 from tuner.precompile import CompileAhead, precompile
 from tuner.problem import Problem
 from tuner.progress import SearchProgress, TrialProgress
+from tuner.recorded_space import recorded_tunables, unrecorded_reason
 from tuner.run_log import to_log_file
 from tuner.search import (
     allowed_plans,
@@ -598,6 +599,15 @@ def _planned(
                 if plan.family not in recorded
             ]
             feasible = [plan for plan in feasible if plan.family in recorded]
+        # Plans of a tunable added since the recording, at a value its plans never ran.
+        known = recorded_tunables(entry.params for entry in recording.entries.values())
+        verdicts = {plan.key(): unrecorded_reason(plan, known) for plan in feasible}
+        rejected += [
+            dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])
+            for plan in feasible
+            if verdicts[plan.key()]
+        ]
+        feasible = [plan for plan in feasible if not verdicts[plan.key()]]
         verdicts = {plan.key(): recording.rejection(plan.key()) for plan in feasible}
         rejected += [
             dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])
