@@ -396,8 +396,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             float correction[2];
             softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
             pack_p(s_acc, p_next);
-            // K(t)'s slot is free since S(t) landed; released here, where S's registers
-            // have become P's (right after the wait, head_dim 256 spilled)
+            // K(t)'s slot is free since S(t) landed; released after the softmax, a tile before
+            // P V(t) frees V(t)'s
             __syncwarp();
             if (lane == 0) fa::mbar_arrive(k_empty + 8 * stage);
             // P(t-1) V(t-1) has landed after this wait: V(t-1)'s slot is free. ptxas schedules
