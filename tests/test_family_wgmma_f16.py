@@ -220,18 +220,27 @@ def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> No
     blocks_per_sm=st.sampled_from([1, 2]),
     split_target=st.sampled_from([1, 2, 8, 1 << 16]),
     overlap=st.sampled_from([0, 1]),
+    pingpong=st.sampled_from([0, 1]),
+    staged_store=st.sampled_from([0, 1]),
 )
 def test_feasible_plans_keep_the_kernels_contract(
     seq_len: int, extra_keys: int, head_dim: int, causal: bool, consumers: int, block_n: int,
-    stages: int, blocks_per_sm: int, split_target: int, overlap: int,
+    stages: int, blocks_per_sm: int, split_target: int, overlap: int, pingpong: int,
+    staged_store: int,
 ) -> None:
     problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
                       dtype="bfloat16", kv_len=seq_len + extra_keys)
     p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
-             blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap)
+             blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap,
+             pingpong=pingpong, staged_store=staged_store)
     if not p.feasible:
         assert p.reason
         return
+    # the ping-pong's turns are between two overlapped consumers (named barriers 1 and 2);
+    # the staged epilogue stores a whole output, never a split's partials
+    assert not pingpong or (consumers == 2 and overlap == 1)
+    assert not staged_store or p.sequence_splits == 1
+    assert ("/p1" in p.key()) == bool(pingpong) and ("/ss" in p.key()) == bool(staged_store)
     assert p.launch.shared_bytes <= H200.max_shared_memory_per_block_optin
     assert blocks_per_sm * (p.launch.shared_bytes + 1024) <= H200.shared_memory_per_sm
     assert p.keys_per_sequence_split % block_n == 0
