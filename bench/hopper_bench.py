@@ -37,9 +37,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from speed_check import TorchTimer  # noqa: E402
+from speed_check import time_torch_call  # noqa: E402
 
-from kernels.timing import time_repetitions  # noqa: E402
 from tuner.device import H200, DeviceProfile  # noqa: E402
 from tuner.planner.plan import KernelPlan  # noqa: E402
 from tuner.problem import Problem  # noqa: E402
@@ -102,9 +101,8 @@ class Bench:
                                         device="cuda")
 
     def time(self, run: Any) -> dict[str, Any]:
-        stats = time_repetitions(run, TorchTimer(self.torch), repetitions=self.args.repetitions,
-                                 warmup=self.args.warmup, flush=self.flush_buffer.zero_)
-        return {"median_ms": stats.median_ms, "spread_ms": stats.spread_ms}
+        return time_torch_call(self.torch, run, self.flush_buffer.zero_, self.args.repetitions,
+                               self.args.warmup)
 
     def inputs(self, problem: Problem) -> tuple[Any, Any, Any]:
         torch = self.torch

@@ -35,9 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evidence import run_tuning, sqlite_url  # noqa: E402
-from speed_check import TorchTimer  # noqa: E402
+from speed_check import time_torch_call  # noqa: E402
 
-from kernels.timing import time_repetitions  # noqa: E402
 from tuner.problem import Problem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,9 +99,7 @@ def time_problem(torch: Any, problem: Problem, registry: str, flush: Any,
     v = torch.randn(b, kvh, m, d, device="cuda", dtype=dtype, generator=generator)
 
     def timed(run: Any) -> dict[str, Any]:
-        stats = time_repetitions(run, TorchTimer(torch), repetitions=repetitions, warmup=5,
-                                 flush=flush)
-        return {"median_ms": stats.median_ms, "spread_ms": stats.spread_ms}
+        return time_torch_call(torch, run, flush, repetitions)
 
     def ours() -> Any:
         return kernels.attention(q, k, v, problem.causal, registry)

@@ -344,7 +344,7 @@ def setup_problem(
     space = candidate_space(recording.problem, device, axes)
     feasible: list[KernelPlan] = []
     compiled_out: list[KernelPlan] = []
-    known = recorded_tunables(entry.params for entry in recording.entries.values())
+    known = recorded_tunables(recording)
     for plan in space.feasible:
         reason = unrecorded_reason(plan, known) or recording.rejection(plan.key())
         if reason:

@@ -104,6 +104,16 @@ class TorchTimer:
         return float(self._start.elapsed_time(self._end))
 
 
+def time_torch_call(
+    torch: Any, run: Any, flush: Any, repetitions: int, warmup: int = 5
+) -> dict[str, Any]:
+    """``run`` timed on torch's stream by the project's loop (``flush`` before each
+    repetition): its median and spread in ms, as the benches record a peer or a plan."""
+    stats = time_repetitions(run, TorchTimer(torch), repetitions=repetitions, warmup=warmup,
+                             flush=flush)
+    return {"median_ms": stats.median_ms, "spread_ms": stats.spread_ms}
+
+
 def time_torch(
     problem: Problem,
     inputs: tuple[np.ndarray, ...],

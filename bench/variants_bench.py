@@ -40,10 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evidence import read_best, run_tuning, tune_command  # noqa: E402
-from speed_check import TorchTimer  # noqa: E402
+from speed_check import time_torch_call as timed  # noqa: E402
 
 from kernels.attention_variants import alibi_slopes  # noqa: E402
-from kernels.timing import time_repetitions  # noqa: E402
 from tuner.problem import Problem  # noqa: E402
 
 SHAPES: dict[str, Problem] = {
@@ -87,12 +86,6 @@ def tune(problem: Problem, work: Path, cache_dir: Path, timeout_s: float,
     best = read_best(f"sqlite:///{work / 'plans.sqlite'}", problem)
     return {"command": shlex.join(command), "tuning": tuning, "stored": best,
             "registry": f"sqlite:///{work / 'plans.sqlite'}"}
-
-
-def timed(torch: Any, run: Any, flush: Any, repetitions: int) -> dict[str, Any]:
-    stats = time_repetitions(run, TorchTimer(torch), repetitions=repetitions, warmup=5,
-                             flush=flush)
-    return {"median_ms": stats.median_ms, "spread_ms": stats.spread_ms}
 
 
 def window_against_dense(problem: Problem, stored: dict[str, Any], cache_dir: Path,

@@ -38,7 +38,7 @@ def wgmma(**tunables: int):
 
 def test_a_tunable_added_since_is_in_the_space_only_at_the_value_its_plans_ran():
     (recording,) = load_recordings(GRID)
-    known = recorded_tunables(entry.params for entry in recording.entries.values())
+    known = recorded_tunables(recording)
     assert "overlap" in known and "pingpong" not in known and "staged_store" not in known
     assert unrecorded_reason(wgmma(), known) == ""
     assert unrecorded_reason(wgmma(pingpong=1), known) == (

@@ -163,7 +163,7 @@ def test_each_recording_replays_whole_grids_of_plans_the_planner_makes(path):
         grid = candidate_space(problem, H200, SpaceAxes(families=tuple(sorted(families))))
         # the grid of the tunables the recording knows: a tunable added since (e.g. the
         # Hopper ping-pong) is recorded at the value its plans ran, its others not at all
-        known = recorded_tunables(entry.params for entry in recording.entries.values())
+        known = recorded_tunables(recording)
         in_recorded_space = {p.key() for p in grid.feasible if not unrecorded_reason(p, known)}
         assert set(recording.entries) == in_recorded_space
         timed = 0

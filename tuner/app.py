@@ -599,16 +599,13 @@ def _planned(
                 if plan.family not in recorded
             ]
             feasible = [plan for plan in feasible if plan.family in recorded]
-        # Plans of a tunable added since the recording, at a value its plans never ran.
-        known = recorded_tunables(entry.params for entry in recording.entries.values())
-        verdicts = {plan.key(): unrecorded_reason(plan, known) for plan in feasible}
-        rejected += [
-            dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])
+        # Plans of a tunable added since the recording, at a value its plans never ran,
+        # and plans the recording's compiler ruled out.
+        known = recorded_tunables(recording)
+        verdicts = {
+            plan.key(): unrecorded_reason(plan, known) or recording.rejection(plan.key())
             for plan in feasible
-            if verdicts[plan.key()]
-        ]
-        feasible = [plan for plan in feasible if not verdicts[plan.key()]]
-        verdicts = {plan.key(): recording.rejection(plan.key()) for plan in feasible}
+        }
         rejected += [
             dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])
             for plan in feasible

@@ -10,14 +10,19 @@ did not time are, rather than tried and failed one by one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from tuner.planner.plan import KernelPlan
 
+if TYPE_CHECKING:
+    from kernels.backends.replay import Recording
 
-def recorded_tunables(entry_params: Iterable[Mapping[str, object]]) -> set[str]:
+
+def recorded_tunables(recording: Recording) -> set[str]:
     """The tunable names a recording's entries carry (what it was recorded with)."""
-    return {name for params in entry_params for name in params if name != "family"}
+    return {
+        name for entry in recording.entries.values() for name in entry.params if name != "family"
+    }
 
 
 def unrecorded_reason(plan: KernelPlan, known: set[str]) -> str:
