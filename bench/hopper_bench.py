@@ -9,7 +9,8 @@ process, on the same inputs, CUDA events around each call, L2 flushed before eac
 (``kernels.timing``):
 
 * ours: no tuning run (the device minutes go to timing): the cost model's ``--candidates``
-  best ``wgmma_f16`` plans and ``--mma-candidates`` best ``mma_f16`` plans, each timed
+  best ``wgmma_f16`` plans (with their ``--twins``: each also with ``persistent`` flipped, by
+  default) and ``--mma-candidates`` best ``mma_f16`` plans, each timed
   through its deploy handle (``DeviceRunner.handle_of``, what ``kernels.attention``
   launches), the fastest reported with the others: a search over the model's short list,
   as the tuner's first trials are. The best is timed again after the peers (the ratio uses
@@ -66,9 +67,14 @@ SHAPES: dict[str, Problem] = {
 }
 
 
-def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int) -> list[KernelPlan]:
-    """The cost model's ``wgmma`` best Hopper plans and ``mma`` best mma.sync plans."""
+def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
+               twins: tuple[str, ...] = ()) -> list[KernelPlan]:
+    """The cost model's ``wgmma`` best Hopper plans and ``mma`` best mma.sync plans; with
+    ``twins`` (wgmma_f16 tunables), each Hopper plan's feasible twins with one of those
+    tunables at its other values (a mechanism's effect, measured against its own twin)."""
     from tuner.costmodel import predict_time_ms
+    from tuner.planner.families import family_named
+    from tuner.planner.params import KernelParams
     from tuner.planner.space import candidate_space
 
     feasible = candidate_space(problem, device).feasible
@@ -77,13 +83,24 @@ def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int) ->
         ranked = sorted((p for p in feasible if p.family == family),
                         key=lambda plan: predict_time_ms(plan, device))
         chosen += ranked[:count]
+    hopper = family_named("wgmma_f16")
+    keys = {plan.key() for plan in chosen}
+    for plan in [p for p in chosen if p.family == "wgmma_f16"]:
+        for tunable in (t for t in hopper.tunables if t.name in twins):
+            for value in tunable.values:
+                params = KernelParams("wgmma_f16", **(plan.params.tunables | {tunable.name: value}))
+                twin = hopper.plan(problem, params, device)
+                if twin.feasible and twin.key() not in keys:
+                    keys.add(twin.key())
+                    chosen.append(twin)
     return chosen
 
 
-def precompile(cache_dir: Path, names: list[str], wgmma: int, mma: int) -> None:
+def precompile(cache_dir: Path, names: list[str], wgmma: int, mma: int,
+               twins: tuple[str, ...]) -> None:
     from kernels import build
 
-    plans = [p for name in names for p in candidates(SHAPES[name], H200, wgmma, mma)]
+    plans = [p for name in names for p in candidates(SHAPES[name], H200, wgmma, mma, twins)]
     results = build.compile_many(plans, cache_dir, arch=H200.arch)
     failed = {key: r.reason for key, r in results.items() if isinstance(r, build.CompileFailure)}
     print(f"{len(results)} variants compiled into {cache_dir}, {len(failed)} failed")
@@ -134,7 +151,7 @@ class Bench:
 
         q, k, v = self.inputs(problem)
         plans = candidates(problem, self.runner.profile, self.args.candidates,
-                           self.args.mma_candidates)
+                           self.args.mma_candidates, tuple(self.args.twins))
         if only is not None:
             plans = [p for p in plans if p.key() == only]
             if not plans:
@@ -200,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--candidates", type=int, default=12, help="wgmma_f16 plans a shape")
     parser.add_argument("--mma-candidates", type=int, default=1, help="mma_f16 plans a shape")
+    parser.add_argument("--twins", nargs="*", default=["persistent"],
+                        help="wgmma_f16 tunables each Hopper candidate is also timed flipped")
     parser.add_argument("--repetitions", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cubin cache")
@@ -207,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precompile", type=Path, metavar="DIR", help="compile only (no GPU)")
     args = parser.parse_args(argv)
     if args.precompile is not None:
-        precompile(args.precompile, args.shapes, args.candidates, args.mma_candidates)
+        precompile(args.precompile, args.shapes, args.candidates, args.mma_candidates,
+                   tuple(args.twins))
         return 0
     if args.out is None:
         parser.error("give --out (a run) or --precompile DIR")

@@ -14,6 +14,11 @@
 //   than S(t), and one release for both would hold K(t)'s slot a whole tile longer, which
 //   starves a 2-stage ring (head_dim 192/256, where only 2 stages fit).
 // setmaxnreg moves registers from the producer (24 a thread) to the consumers.
+// PERSISTENT = 1: a grid of one block per SM slot, each walking a static queue of row blocks
+// (WorkQueue below); the ring and its barriers' phases run on across work items, and
+// q_empty (one arrive per consumer warp once it is done with its Q tile) lets the producer
+// load the next item's Q; its first K tile goes into the ring before that, while the
+// consumers still finish the last item.
 //
 // Per tile, per consumer warpgroup:
 //   S = Q K^T: HEAD_DIM / 16 wgmma m64n{BLOCK_N}k16, A = Q and B = K from shared memory
@@ -46,7 +51,8 @@
 // Entry contract: mma_f16_attention's (q, k, v, out, partial_o, partial_lse, seq_len,
 // kv_len, group, keys_per_split, scale_log2 and the variant arguments of
 // include/fa/variant.cuh; the split-KV contract of include/fa/split_kv.cuh, its masks and
-// score modifications), preceded by three tensor maps built on the host with
+// score modifications) and batch_heads (batch * heads: the persistent queue's length is
+// row blocks x batch_heads), preceded by three tensor maps built on the host with
 // cuTensorMapEncodeTiled (tuner/planner/families/wgmma_f16.py, kernels/tensor_maps.py):
 //   q_map: bf16/fp16, dims {HEAD_DIM, seq_len, batch * heads}, strides {HEAD_DIM * 2,
 //          seq_len * HEAD_DIM * 2} bytes, box {C, 64, 1}, SWIZZLE_128B (C = 64) or
@@ -58,7 +64,8 @@
 //   registers: __launch_bounds__(THREADS, BLOCKS_PER_SM) caps them at entry (what lets
 //   setmaxnreg act); the producer drops to PRODUCER_REGISTERS, consumers rise to
 //   CONSUMER_REGISTERS, within 64K / BLOCKS_PER_SM for the block.
-//   grid = (ceil(seq_len / BLOCK_M), splits, batch * heads), block = 128 * (CONSUMERS + 1)
+//   grid = (ceil(seq_len / BLOCK_M), splits, batch * heads), or PERSISTENT (one split only)
+//   (SMs x BLOCKS_PER_SM, 1, 1), at most one block per work item; block = 128 * (CONSUMERS + 1)
 
 #include "fa/forward.cuh"
 #include "fa/variant_switches.cuh"
@@ -93,6 +100,9 @@
 #ifndef STAGED_STORE
 #define STAGED_STORE 0  // 1: O goes out through shared memory in whole 16-byte rows
 #endif
+#ifndef PERSISTENT
+#define PERSISTENT 0  // 1: a block per SM slot walks a queue of row blocks (see WorkQueue)
+#endif
 #ifndef PRODUCER_REGISTERS
 #define PRODUCER_REGISTERS 24
 #endif
@@ -113,7 +123,7 @@
 #define K_OFFSET (CONSUMERS * Q_TILE_BYTES)
 #define V_OFFSET (K_OFFSET + STAGES * KV_TILE_BYTES)
 #define BARRIER_OFFSET (V_OFFSET + STAGES * KV_TILE_BYTES)
-#define BARRIERS (1 + 4 * STAGES)  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+#define BARRIERS (2 + 4 * STAGES)  // q_full, q_empty, k_full[], v_full[], k_empty[], v_empty[]
 #define SMEM_BYTES (BARRIER_OFFSET + 8 * BARRIERS + 1024)
 #define S_REGS (BLOCK_N / 2)                      // S accumulators a thread (m64nBLOCK_N f32)
 #define O_REGS (HEAD_DIM / 2)                     // O accumulators a thread
@@ -124,6 +134,7 @@ static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128");
 static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
 static_assert(!PINGPONG || (CONSUMERS == 2 && OVERLAP), "the ping-pong: two consumers, overlapped");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
+static_assert(PERSISTENT == 0 || PERSISTENT == 1, "persistent: 0 or 1");
 static_assert(SMEM_BYTES <= 232448, "227 KB of shared memory a block on sm_90");
 static_assert(BLOCKS_PER_SM * SMEM_BYTES <= 233472, "228 KB of shared memory an SM");
 static_assert(BLOCKS_PER_SM * (PRODUCER_REGISTERS + CONSUMER_REGISTERS * CONSUMERS) * 128 <= 65536,
@@ -188,7 +199,10 @@ struct TileSoftmax {
 // barrier 1 + c and an arrive on the other consumer's barrier (256 threads each: the owner's
 // sync and the other's arrive). Consumer 0 arrives on its own barrier once to take the first
 // turn; consumer 1 skips its last arrive (no turn of consumer 0 follows), so every phase that
-// starts completes and no barrier is left half-arrived at exit.
+// starts completes and no barrier is left half-arrived at exit. PERSISTENT repeats the turns
+// per work item: consumer 0's first turn of the next item needs that item's Q, which the
+// producer loads only after consumer 1's q_empty arrive, i.e. after consumer 1's last turn of
+// this item, so the two items' phases never mix on a barrier.
 struct GemmTurns {
     int consumer;
     __device__ __forceinline__ void start(int tiles) const {
@@ -212,6 +226,11 @@ struct GemmTurns {
 __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, const float* o_acc,
                                              const float (&inv)[2], int wg_row0, int consumer,
                                              int seq_len, int warp, int lane) {
+    // Its 40 swizzled offsets depend on the thread only: a persistent block's consumers would
+    // compute them once, above the work loop, and keep them live through it (ptxas spilled
+    // them, 396 B, at head_dim 128).
+    fa::opaque(warp);
+    fa::opaque(lane);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = 16 * warp + fa::fragment_row(lane, half);
@@ -236,6 +255,44 @@ __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, cons
     }
 }
 
+// ---------------------------------------------------------------- work
+
+// The row blocks a block computes. One block per row block: its own (grid = (row blocks,
+// splits, heads)). PERSISTENT: grid = (SMs x BLOCKS_PER_SM, 1, 1), and block b walks work
+// items b, b + gridDim.x, ... of the row_blocks x batch_heads queue (row blocks fastest, or
+// heaviest first under causal: fa::work_coordinates), so that its producer loads the next
+// item's K, V and Q while its consumers finish the last one (FlashAttention-3's static
+// persistent scheduler). Producer and consumers walk the same items: every tile loaded is
+// consumed and released.
+struct WorkQueue {
+    int first, end, stride, row_blocks, batch_heads;
+
+    __device__ __forceinline__ WorkQueue(int seq_len, int batch_heads_) {
+        row_blocks = (seq_len + BLOCK_M - 1) / BLOCK_M;
+        batch_heads = batch_heads_;
+        first = PERSISTENT ? static_cast<int>(blockIdx.x) : 0;
+        end = PERSISTENT ? row_blocks * batch_heads : 1;
+        stride = PERSISTENT ? static_cast<int>(gridDim.x) : 1;
+    }
+
+    __device__ __forceinline__ fa::RowBlock<Traits, BLOCK_M, BLOCK_N> block(
+        int item, int seq_len, int kv_len, int group, int keys_per_split, int window_left,
+        int window_right) const {
+        if (!PERSISTENT)
+            return {seq_len, kv_len, group, keys_per_split, window_left, window_right};
+        return {fa::work_coordinates<Traits::kCausal>(item, row_blocks, batch_heads),
+                0, 1, seq_len, kv_len, group, keys_per_split, window_left, window_right};
+    }
+};
+
+// A K/V tile's place in the ring: the ring-th tile through it (counted over every work item).
+struct RingSlot {
+    int stage;
+    uint32_t parity;
+    __device__ __forceinline__ explicit RingSlot(int ring)
+        : stage(ring % STAGES), parity(static_cast<uint32_t>(ring / STAGES) & 1) {}
+};
+
 // ---------------------------------------------------------------- attention
 
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
@@ -247,7 +304,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                     float* __restrict__ partial_lse, int seq_len, int kv_len, int group,
                     int keys_per_split, float scale_log2, int heads, int window_left,
                     int window_right, float softcap, const float* __restrict__ alibi_slopes,
-                    const float* __restrict__ sinks, float* __restrict__ lse) {
+                    const float* __restrict__ sinks, float* __restrict__ lse, int batch_heads) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // The swizzle is a function of address bits 4-9: tiles must start 1024-byte aligned.
     const uint32_t base = (fa::smem_addr(shared_raw) + 1023) & ~1023u;
@@ -255,7 +312,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
     const uint32_t s_k = base + K_OFFSET;
     const uint32_t s_v = base + V_OFFSET;
     const uint32_t q_full = base + BARRIER_OFFSET;
-    const uint32_t k_full = q_full + 8;                // + 8 * stage
+    const uint32_t q_empty = q_full + 8;
+    const uint32_t k_full = q_empty + 8;               // + 8 * stage
     const uint32_t v_full = k_full + 8 * STAGES;
     const uint32_t k_empty = v_full + 8 * STAGES;
     const uint32_t v_empty = k_empty + 8 * STAGES;
@@ -264,16 +322,11 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
     const int warpgroup = tid / 128;  // 0: producer, 1..CONSUMERS: consumers
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
-
-    // Producer and consumers agree on these tiles: every tile loaded is consumed and released.
-    const fa::RowBlock<Traits, BLOCK_M, BLOCK_N> block(seq_len, kv_len, group, keys_per_split,
-                                                      window_left, window_right);
-    const int bh = block.bh, row0 = block.row0, split = block.split, splits = block.splits;
-    const int kv_head = block.kv_bh;
-    const fa::KeyTiles& tiles = block.tiles;
+    const WorkQueue work(seq_len, batch_heads);
 
     if (tid == 0) {
         fa::mbar_init(q_full, 1);
+        fa::mbar_init(q_empty, 4 * CONSUMERS);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             fa::mbar_init(k_full + 8 * s, 1);
@@ -292,29 +345,47 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             fa::prefetch_tensor_map(&q_map);
             fa::prefetch_tensor_map(&k_map);
             fa::prefetch_tensor_map(&v_map);
-            fa::mbar_arrive_expect_tx(q_full, CONSUMERS * Q_TILE_BYTES);
+            int ring = 0;  // K/V tiles through the ring so far
+            int items = 0;
+            for (int item = work.first; item < work.end; item += work.stride, ++items) {
+                const auto block = work.block(item, seq_len, kv_len, group, keys_per_split,
+                                              window_left, window_right);
+                const fa::KeyTiles& tiles = block.tiles;
+                // Q once the consumers are done with the last item's (its S products, or the
+                // staged store through it): loaded behind the item's first K tile, which can
+                // go into the ring while the consumers still finish the last item.
+                auto load_q = [&] {
+                    fa::mbar_wait(q_empty, (items & 1) ^ 1);
+                    fa::mbar_arrive_expect_tx(q_full, CONSUMERS * Q_TILE_BYTES);
 #pragma unroll
-            for (int c = 0; c < CONSUMERS; ++c)
+                    for (int c = 0; c < CONSUMERS; ++c)
 #pragma unroll
-                for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                    fa::tma_load_3d(s_q + c * Q_TILE_BYTES + chunk * 64 * SWIZZLE_BYTES, &q_map,
-                                    chunk * CHUNK_COLS, row0 + 64 * c, bh, q_full);
-            for (int t = 0; t < tiles.count; ++t) {
-                const int stage = t % STAGES;
-                const uint32_t parity = (t / STAGES) & 1;
-                const int key0 = tiles.begin + t * BLOCK_N;
-                fa::mbar_wait(k_empty + 8 * stage, parity ^ 1);
-                fa::mbar_arrive_expect_tx(k_full + 8 * stage, KV_TILE_BYTES);
+                        for (int chunk = 0; chunk < CHUNKS; ++chunk)
+                            fa::tma_load_3d(s_q + c * Q_TILE_BYTES + chunk * 64 * SWIZZLE_BYTES,
+                                            &q_map, chunk * CHUNK_COLS, block.row0 + 64 * c,
+                                            block.bh, q_full);
+                };
+                for (int t = 0; t < tiles.count; ++t) {
+                    const RingSlot slot(ring + t);
+                    const int key0 = tiles.begin + t * BLOCK_N;
+                    fa::mbar_wait(k_empty + 8 * slot.stage, slot.parity ^ 1);
+                    fa::mbar_arrive_expect_tx(k_full + 8 * slot.stage, KV_TILE_BYTES);
 #pragma unroll
-                for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                    fa::tma_load_3d(s_k + stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
-                                    &k_map, chunk * CHUNK_COLS, key0, kv_head, k_full + 8 * stage);
-                fa::mbar_wait(v_empty + 8 * stage, parity ^ 1);
-                fa::mbar_arrive_expect_tx(v_full + 8 * stage, KV_TILE_BYTES);
+                    for (int chunk = 0; chunk < CHUNKS; ++chunk)
+                        fa::tma_load_3d(
+                            s_k + slot.stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
+                            &k_map, chunk * CHUNK_COLS, key0, block.kv_bh, k_full + 8 * slot.stage);
+                    if (t == 0) load_q();
+                    fa::mbar_wait(v_empty + 8 * slot.stage, slot.parity ^ 1);
+                    fa::mbar_arrive_expect_tx(v_full + 8 * slot.stage, KV_TILE_BYTES);
 #pragma unroll
-                for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                    fa::tma_load_3d(s_v + stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
-                                    &v_map, chunk * CHUNK_COLS, key0, kv_head, v_full + 8 * stage);
+                    for (int chunk = 0; chunk < CHUNKS; ++chunk)
+                        fa::tma_load_3d(
+                            s_v + slot.stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
+                            &v_map, chunk * CHUNK_COLS, key0, block.kv_bh, v_full + 8 * slot.stage);
+                }
+                if (tiles.count == 0) load_q();
+                ring += tiles.count;
             }
         }
     } else {
@@ -322,178 +393,196 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
         fa::setmaxnreg_inc<CONSUMER_REGISTERS>();
         const int consumer = warpgroup - 1;
         const uint32_t q_tile = s_q + consumer * Q_TILE_BYTES;
-        const int wg_row0 = row0 + 64 * consumer;
-        const int my_row = wg_row0 + 16 * warp + fa::fragment_row(lane, 0);  // and my_row + 8
-
-        TileSoftmax softmax{block.mask,
-                            block.score_mod(scale_log2, softcap, seq_len, kv_len, alibi_slopes,
-                                            heads),
-                            {{my_row, my_row + 8}}, wg_row0, lane, {}};
-        float o_acc[O_REGS];
-        fa::fill_zero<O_REGS>(o_acc);
-
-        fa::mbar_wait(q_full, 0);
-#if !OVERLAP
-        uint32_t p_frag[BLOCK_N / 16][4];
-        for (int t = 0; t < tiles.count; ++t) {
-            const int stage = t % STAGES;
-            const uint32_t parity = (t / STAGES) & 1;
-
-            // ---- S = Q K^T
-            float s_acc[S_REGS];
-            fa::mbar_wait(k_full + 8 * stage, parity);
-            fa::wgmma_fence();
-            issue_s(s_acc, q_tile, s_k + stage * KV_TILE_BYTES);
-            fa::wgmma_commit();
-            fa::wgmma_wait<0>();
-            fa::fence_registers<S_REGS>(s_acc);
-            __syncwarp();  // this warp's share of S has read the K tile
-            if (lane == 0) fa::mbar_arrive(k_empty + 8 * stage);
-            float correction[2];
-            softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
-            fa::rescale_rows<O_REGS / 4>(o_acc, correction);
-            pack_p(s_acc, p_frag);
-
-            // ---- O += P V
-            fa::mbar_wait(v_full + 8 * stage, parity);
-            fa::fence_registers<O_REGS>(o_acc);
-            fa::wgmma_fence();
-            issue_pv(o_acc, p_frag, s_v + stage * KV_TILE_BYTES);
-            fa::wgmma_commit();
-            fa::wgmma_wait<0>();
-            fa::fence_registers<O_REGS>(o_acc);
-            __syncwarp();  // and P V the V tile
-            if (lane == 0) fa::mbar_arrive(v_empty + 8 * stage);
-        }
-#else
-        // FlashAttention-3's intra-warpgroup overlap: S(t) is issued, then P(t-1) V(t-1);
-        // the softmax of S(t) runs while P V(t-1) is still in the tensor cores, and O is
-        // rescaled only after that product has landed. Groups complete in commit order, so
-        // wait_group 1 after the two commits means S(t) is done, P V(t-1) maybe not.
-        // P alternates between two register sets (the loop is unrolled by two): packing P(t)
-        // into the registers P V(t-1) is still reading would make ptxas wait for that product
-        // before the softmax (seen in SASS as wait_group 0 hoisted above the exp2s).
         const GemmTurns turns{consumer};
-        uint32_t p_a[BLOCK_N / 16][4], p_b[BLOCK_N / 16][4];
-        auto overlapped_tile = [&](int t, const uint32_t(*p_previous)[4], uint32_t(*p_next)[4]) {
-            const int stage = t % STAGES;
-            const uint32_t parity = (t / STAGES) & 1;
-            const int previous = (t - 1) % STAGES;
-            const uint32_t previous_parity = ((t - 1) / STAGES) & 1;
-            float s_acc[S_REGS];
-            fa::mbar_wait(k_full + 8 * stage, parity);
-            fa::mbar_wait(v_full + 8 * previous, previous_parity);
-            fa::fence_registers<O_REGS>(o_acc);
-            turns.take();
-            fa::wgmma_fence();
-            issue_s(s_acc, q_tile, s_k + stage * KV_TILE_BYTES);
-            fa::wgmma_commit();
-            issue_pv(o_acc, p_previous, s_v + previous * KV_TILE_BYTES);
-            fa::wgmma_commit();
-            turns.pass();
-            fa::wgmma_wait<1>();  // S(t) has landed
-            fa::fence_registers<S_REGS>(s_acc);
-            float correction[2];
-            softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
-            pack_p(s_acc, p_next);
-            // K(t)'s slot is free since S(t) landed; released after the softmax, a tile before
-            // P V(t) frees V(t)'s
-            __syncwarp();
-            if (lane == 0) fa::mbar_arrive(k_empty + 8 * stage);
-            // P(t-1) V(t-1) has landed after this wait: V(t-1)'s slot is free. ptxas schedules
-            // a wait with no operands as early as its basic block allows, i.e. above the
-            // softmax, which would undo the overlap (seen in SASS); behind a branch on the
-            // row sums (which need every exp2 of the tile) it stays below the softmax. The
-            // branch is always taken unless a sum is NaN, and then waits all the same.
-            if (softmax.state.sum[0] + softmax.state.sum[1] >= 0.f) {
-                fa::wgmma_wait<0>();
-            } else {
-                fa::wgmma_wait<0>();
-                softmax.state.sum[0] = NAN;  // keeps the two branches distinct (not merged)
-            }
-            fa::fence_registers<O_REGS>(o_acc);
-            __syncwarp();
-            if (lane == 0) fa::mbar_arrive(v_empty + 8 * previous);
-            fa::rescale_rows<O_REGS / 4>(o_acc, correction);
-        };
-        auto last_product = [&](const uint32_t(*p_last)[4]) {
-            const int last = (tiles.count - 1) % STAGES;
-            fa::mbar_wait(v_full + 8 * last, ((tiles.count - 1) / STAGES) & 1);
-            fa::fence_registers<O_REGS>(o_acc);
-            turns.take();
-            fa::wgmma_fence();
-            issue_pv(o_acc, p_last, s_v + last * KV_TILE_BYTES);
-            fa::wgmma_commit();
-            turns.pass(/*last=*/true);
-            fa::wgmma_wait<0>();
-            fa::fence_registers<O_REGS>(o_acc);
-            __syncwarp();
-            if (lane == 0) fa::mbar_arrive(v_empty + 8 * last);
-        };
-        turns.start(tiles.count);
-        if (tiles.count > 0) {
-            float s_acc[S_REGS];
-            fa::mbar_wait(k_full, 0);
-            turns.take();
-            fa::wgmma_fence();
-            issue_s(s_acc, q_tile, s_k);
-            fa::wgmma_commit();
-            turns.pass();
-            fa::wgmma_wait<0>();
-            fa::fence_registers<S_REGS>(s_acc);
-            __syncwarp();
-            if (lane == 0) fa::mbar_arrive(k_empty);
-            float correction[2];
-            softmax(s_acc, tiles.begin, correction);  // O is still 0
-            pack_p(s_acc, p_a);
-        }
-        int t = 1;
-        for (; t + 1 < tiles.count; t += 2) {
-            overlapped_tile(t, p_a, p_b);
-            overlapped_tile(t + 1, p_b, p_a);
-        }
-        if (t < tiles.count) {
-            overlapped_tile(t, p_a, p_b);
-            last_product(p_b);
-        } else if (tiles.count > 0) {
-            last_product(p_a);
-        }
-#endif
+        int ring = 0;  // K/V tiles through the ring so far
+        int items = 0;
+        for (int item = work.first; item < work.end; item += work.stride, ++items) {
+            const auto block = work.block(item, seq_len, kv_len, group, keys_per_split, window_left,
+                                          window_right);
+            const fa::KeyTiles& tiles = block.tiles;
+            const int bh = block.bh;
+            const int wg_row0 = block.row0 + 64 * consumer;
+            const int my_row = wg_row0 + 16 * warp + fa::fragment_row(lane, 0);  // and my_row + 8
 
-        // ---- epilogue
-        softmax.state.finish();
-        if (splits == 1) {
-            const float sink = Traits::sink(sinks, bh % heads);
-            elem_t* out_bh = out + (size_t)bh * seq_len * HEAD_DIM;
-            float inv[2];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = my_row + 8 * half;
-                const fa::RowResult result =
-                    fa::row_result(softmax.state.max[half], softmax.state.sum[half], sink);
-                inv[half] = result.inv;
-                if (row >= seq_len) continue;
-                if (!STAGED_STORE)
-                    fa::store_fragment_row<O_REGS / 4>(out_bh + (size_t)row * HEAD_DIM, o_acc,
-                                                       half, result.inv, lane);
-                if (lse != nullptr && lane % 4 == 0)
-                    lse[(size_t)bh * seq_len + row] = fa::lse_natural(result.lse2);
+            TileSoftmax softmax{block.mask,
+                                block.score_mod(scale_log2, softcap, seq_len, kv_len, alibi_slopes,
+                                                heads),
+                                {{my_row, my_row + 8}}, wg_row0, lane, {}};
+            float o_acc[O_REGS];
+            fa::fill_zero<O_REGS>(o_acc);
+            // This warp is done with Q (PERSISTENT: the producer may load the next item's).
+            auto release_q = [&] {
+                if (!PERSISTENT) return;
+                fa::fence_proxy_async_shared();  // the staged store's accesses, before the TMA's
+                __syncwarp();
+                if (lane == 0) fa::mbar_arrive(q_empty);
+            };
+
+            fa::mbar_wait(q_full, items & 1);
+#if !OVERLAP
+            uint32_t p_frag[BLOCK_N / 16][4];
+            for (int t = 0; t < tiles.count; ++t) {
+                const RingSlot slot(ring + t);
+
+                // ---- S = Q K^T
+                float s_acc[S_REGS];
+                fa::mbar_wait(k_full + 8 * slot.stage, slot.parity);
+                fa::wgmma_fence();
+                issue_s(s_acc, q_tile, s_k + slot.stage * KV_TILE_BYTES);
+                fa::wgmma_commit();
+                fa::wgmma_wait<0>();
+                fa::fence_registers<S_REGS>(s_acc);
+                __syncwarp();  // this warp's share of S has read the K tile
+                if (lane == 0) fa::mbar_arrive(k_empty + 8 * slot.stage);
+                float correction[2];
+                softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
+                fa::rescale_rows<O_REGS / 4>(o_acc, correction);
+                pack_p(s_acc, p_frag);
+
+                // ---- O += P V
+                fa::mbar_wait(v_full + 8 * slot.stage, slot.parity);
+                fa::fence_registers<O_REGS>(o_acc);
+                fa::wgmma_fence();
+                issue_pv(o_acc, p_frag, s_v + slot.stage * KV_TILE_BYTES);
+                fa::wgmma_commit();
+                fa::wgmma_wait<0>();
+                fa::fence_registers<O_REGS>(o_acc);
+                __syncwarp();  // and P V the V tile
+                if (lane == 0) fa::mbar_arrive(v_empty + 8 * slot.stage);
             }
-            if (STAGED_STORE)
-                staged_store(out_bh, q_tile, o_acc, inv, wg_row0, consumer, seq_len, warp, lane);
-        } else {
-            // float32 partial output (normalised by this split's sum) and the split's
-            // log2-sum-exp (-inf where the split saw no key of the row).
-            const size_t part_row0 = ((size_t)bh * splits + split) * seq_len;
+#else
+            // FlashAttention-3's intra-warpgroup overlap: S(t) is issued, then P(t-1) V(t-1);
+            // the softmax of S(t) runs while P V(t-1) is still in the tensor cores, and O is
+            // rescaled only after that product has landed. Groups complete in commit order, so
+            // wait_group 1 after the two commits means S(t) is done, P V(t-1) maybe not.
+            // P alternates between two register sets (the loop is unrolled by two): packing P(t)
+            // into the registers P V(t-1) is still reading would make ptxas wait for that product
+            // before the softmax (seen in SASS as wait_group 0 hoisted above the exp2s).
+            uint32_t p_a[BLOCK_N / 16][4], p_b[BLOCK_N / 16][4];
+            auto overlapped_tile = [&](int t, const uint32_t(*p_previous)[4],
+                                       uint32_t(*p_next)[4]) {
+                const RingSlot slot(ring + t), previous(ring + t - 1);
+                float s_acc[S_REGS];
+                fa::mbar_wait(k_full + 8 * slot.stage, slot.parity);
+                fa::mbar_wait(v_full + 8 * previous.stage, previous.parity);
+                fa::fence_registers<O_REGS>(o_acc);
+                turns.take();
+                fa::wgmma_fence();
+                issue_s(s_acc, q_tile, s_k + slot.stage * KV_TILE_BYTES);
+                fa::wgmma_commit();
+                issue_pv(o_acc, p_previous, s_v + previous.stage * KV_TILE_BYTES);
+                fa::wgmma_commit();
+                turns.pass();
+                fa::wgmma_wait<1>();  // S(t) has landed
+                fa::fence_registers<S_REGS>(s_acc);
+                float correction[2];
+                softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
+                pack_p(s_acc, p_next);
+                // K(t)'s slot is free since S(t) landed; released after the softmax, a tile before
+                // P V(t) frees V(t)'s
+                __syncwarp();
+                if (lane == 0) fa::mbar_arrive(k_empty + 8 * slot.stage);
+                // P(t-1) V(t-1) has landed after this wait: V(t-1)'s slot is free. ptxas schedules
+                // a wait with no operands as early as its basic block allows, i.e. above the
+                // softmax, which would undo the overlap (seen in SASS); behind a branch on the
+                // row sums (which need every exp2 of the tile) it stays below the softmax. The
+                // branch is always taken unless a sum is NaN, and then waits all the same.
+                if (softmax.state.sum[0] + softmax.state.sum[1] >= 0.f) {
+                    fa::wgmma_wait<0>();
+                } else {
+                    fa::wgmma_wait<0>();
+                    softmax.state.sum[0] = NAN;  // keeps the two branches distinct (not merged)
+                }
+                fa::fence_registers<O_REGS>(o_acc);
+                __syncwarp();
+                if (lane == 0) fa::mbar_arrive(v_empty + 8 * previous.stage);
+                fa::rescale_rows<O_REGS / 4>(o_acc, correction);
+            };
+            auto last_product = [&](const uint32_t(*p_last)[4]) {
+                const RingSlot last(ring + tiles.count - 1);
+                fa::mbar_wait(v_full + 8 * last.stage, last.parity);
+                fa::fence_registers<O_REGS>(o_acc);
+                turns.take();
+                fa::wgmma_fence();
+                issue_pv(o_acc, p_last, s_v + last.stage * KV_TILE_BYTES);
+                fa::wgmma_commit();
+                turns.pass(/*last=*/true);
+                fa::wgmma_wait<0>();
+                fa::fence_registers<O_REGS>(o_acc);
+                __syncwarp();
+                if (lane == 0) fa::mbar_arrive(v_empty + 8 * last.stage);
+            };
+            turns.start(tiles.count);
+            if (tiles.count > 0) {
+                const RingSlot first(ring);
+                float s_acc[S_REGS];
+                fa::mbar_wait(k_full + 8 * first.stage, first.parity);
+                turns.take();
+                fa::wgmma_fence();
+                issue_s(s_acc, q_tile, s_k + first.stage * KV_TILE_BYTES);
+                fa::wgmma_commit();
+                turns.pass();
+                fa::wgmma_wait<0>();
+                fa::fence_registers<S_REGS>(s_acc);
+                __syncwarp();
+                if (lane == 0) fa::mbar_arrive(k_empty + 8 * first.stage);
+                float correction[2];
+                softmax(s_acc, tiles.begin, correction);  // O is still 0
+                pack_p(s_acc, p_a);
+            }
+            int t = 1;
+            for (; t + 1 < tiles.count; t += 2) {
+                overlapped_tile(t, p_a, p_b);
+                overlapped_tile(t + 1, p_b, p_a);
+            }
+            if (t < tiles.count) {
+                overlapped_tile(t, p_a, p_b);
+                last_product(p_b);
+            } else if (tiles.count > 0) {
+                last_product(p_a);
+            }
+#endif
+            ring += tiles.count;
+
+            // ---- epilogue
+            softmax.state.finish();
+            if (!STAGED_STORE) release_q();  // every S product has landed
+            if (block.splits == 1) {
+                const float sink = Traits::sink(sinks, bh % heads);
+                elem_t* out_bh = out + (size_t)bh * seq_len * HEAD_DIM;
+                float inv[2];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = my_row + 8 * half;
-                if (row >= seq_len) continue;
-                const fa::RowResult result =
-                    fa::partial_result(softmax.state.max[half], softmax.state.sum[half]);
-                fa::store_fragment_row<O_REGS / 4>(partial_o + (part_row0 + row) * HEAD_DIM,
-                                                   o_acc, half, result.inv, lane);
-                if (lane % 4 == 0) partial_lse[part_row0 + row] = result.lse2;
+                for (int half = 0; half < 2; ++half) {
+                    const int row = my_row + 8 * half;
+                    const fa::RowResult result =
+                        fa::row_result(softmax.state.max[half], softmax.state.sum[half], sink);
+                    inv[half] = result.inv;
+                    if (row >= seq_len) continue;
+                    if (!STAGED_STORE)
+                        fa::store_fragment_row<O_REGS / 4>(out_bh + (size_t)row * HEAD_DIM, o_acc,
+                                                           half, result.inv, lane);
+                    if (lse != nullptr && lane % 4 == 0)
+                        lse[(size_t)bh * seq_len + row] = fa::lse_natural(result.lse2);
+                }
+                if (STAGED_STORE) {
+                    staged_store(out_bh, q_tile, o_acc, inv, wg_row0, consumer, seq_len, warp,
+                                 lane);
+                    release_q();
+                }
+            } else {
+                // float32 partial output (normalised by this split's sum) and the split's
+                // log2-sum-exp (-inf where the split saw no key of the row).
+                const size_t part_row0 = ((size_t)bh * block.splits + block.split) * seq_len;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = my_row + 8 * half;
+                    if (row >= seq_len) continue;
+                    const fa::RowResult result =
+                        fa::partial_result(softmax.state.max[half], softmax.state.sum[half]);
+                    fa::store_fragment_row<O_REGS / 4>(partial_o + (part_row0 + row) * HEAD_DIM,
+                                                       o_acc, half, result.inv, lane);
+                    if (lane % 4 == 0) partial_lse[part_row0 + row] = result.lse2;
+                }
             }
         }
     }

@@ -59,3 +59,17 @@ def test_model_bench_refuses_a_run_without_out_or_work_dir(capsys):
     with pytest.raises(SystemExit):
         model_bench.main(["--out", "x.json"])
     assert "give --out and --work-dir" in capsys.readouterr().err
+
+
+def test_twins_add_each_hopper_candidates_flipped_tunable_once():
+    problem = hopper_bench.SHAPES["4x16x4096x128"]
+    plain = hopper_bench.candidates(problem, H200, 4, 1)
+    with_twins = hopper_bench.candidates(problem, H200, 4, 1, ("persistent",))
+    assert with_twins[: len(plain)] == plain
+    added = with_twins[len(plain):]
+    keys = [p.key() for p in with_twins]
+    assert len(keys) == len(set(keys)) and all(p.feasible for p in added)
+    # every Hopper candidate has its twin in the list, persistent flipped, all else kept
+    for plan in plain[:4]:
+        flipped = plan.params.tunables | {"persistent": 1 - plan.params.persistent}
+        assert any(p.params.tunables == flipped for p in with_twins), plan.key()

@@ -55,22 +55,25 @@ def test_it_is_registered_for_the_half_dtypes_only() -> None:
 
 def test_shared_bytes_follow_the_kernels_layout() -> None:
     # Q: 2 consumers x 64 rows x 128 x 2 B; ring: 2 stages x (K, V) x 128 keys x 128 x 2 B;
-    # 9 mbarriers of 8 B (q_full; k_full, v_full, k_empty, v_empty a stage); 1024 B to align.
-    assert wgmma_f16_shared_bytes(2, 128, 2, 128) == 32768 + 131072 + 72 + 1024 == 164936
+    # 10 mbarriers of 8 B (q_full, q_empty; k_full, v_full, k_empty, v_empty a stage);
+    # 1024 B to align.
+    assert wgmma_f16_shared_bytes(2, 128, 2, 128) == 32768 + 131072 + 80 + 1024 == 164944
     text = KERNEL.read_text()
     for name in ("Q_TILE_BYTES", "KV_TILE_BYTES", "SMEM_BYTES", "BARRIERS"):
         assert re.search(rf"#define {name} ", text), name
+    assert "#define BARRIERS (2 + 4 * STAGES)" in text
 
 
 def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) -> None:
     p = plan()
     assert p.feasible, p.reason
     assert p.launch.block == (384, 1, 1) and p.launch.grid == (32, 1, 64)
-    assert p.launch.shared_bytes == 164936 and p.rows_per_block == 128
+    assert p.launch.shared_bytes == 164944 and p.rows_per_block == 128
     assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/o0/s1"
     assert FAMILY.compile_defines(p) == {
         "HEAD_DIM": 128, "CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "CAUSAL": 0,
         "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PINGPONG": 0, "STAGED_STORE": 0,
+            "PERSISTENT": 0,
         "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240,
     }
     # every define is a macro the kernel (or its variant switches header) reads
@@ -222,17 +225,18 @@ def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> No
     overlap=st.sampled_from([0, 1]),
     pingpong=st.sampled_from([0, 1]),
     staged_store=st.sampled_from([0, 1]),
+    persistent=st.sampled_from([0, 1]),
 )
 def test_feasible_plans_keep_the_kernels_contract(
     seq_len: int, extra_keys: int, head_dim: int, causal: bool, consumers: int, block_n: int,
     stages: int, blocks_per_sm: int, split_target: int, overlap: int, pingpong: int,
-    staged_store: int,
+    staged_store: int, persistent: int,
 ) -> None:
     problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
                       dtype="bfloat16", kv_len=seq_len + extra_keys)
     p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
              blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap,
-             pingpong=pingpong, staged_store=staged_store)
+             pingpong=pingpong, staged_store=staged_store, persistent=persistent)
     if not p.feasible:
         assert p.reason
         return
@@ -241,6 +245,7 @@ def test_feasible_plans_keep_the_kernels_contract(
     assert not pingpong or (consumers == 2 and overlap == 1)
     assert not staged_store or p.sequence_splits == 1
     assert ("/p1" in p.key()) == bool(pingpong) and ("/ss" in p.key()) == bool(staged_store)
+    assert ("/ps" in p.key()) == bool(persistent)
     assert p.launch.shared_bytes <= H200.max_shared_memory_per_block_optin
     assert blocks_per_sm * (p.launch.shared_bytes + 1024) <= H200.shared_memory_per_sm
     assert p.keys_per_sequence_split % block_n == 0
@@ -248,8 +253,47 @@ def test_feasible_plans_keep_the_kernels_contract(
     splits = p.sequence_splits
     assert (splits - 1) * p.keys_per_sequence_split < problem.kv_len
     assert splits * p.keys_per_sequence_split >= problem.kv_len
-    assert p.launch.grid == (-(-seq_len // (64 * consumers)), splits, 16)
+    row_blocks = -(-seq_len // (64 * consumers))
+    if persistent:
+        # one split; a block per SM slot, each walking more than one row block
+        slots = H200.sm_count * blocks_per_sm
+        assert splits == 1 and row_blocks * 16 > slots
+        assert p.launch.grid == (slots, 1, 1)
+        assert p.kernel_family.cost_terms(p).imbalance >= 1.0
+    else:
+        assert p.launch.grid == (row_blocks, splits, 16)
     assert (splits > 1) == (p.reduce_launch is not None)
+
+
+def test_a_persistent_plan_walks_the_row_blocks_from_a_grid_of_sm_slots(
+    registered: None,
+) -> None:
+    p = plan(overlap=1, stages=3, persistent=1)
+    assert p.feasible, p.reason
+    assert FAMILY.key(p) == "wgmma_f16/c2/n128/st3/b1/o1/ps/s1"
+    assert FAMILY.compile_defines(p)["PERSISTENT"] == 1
+    # 32 row blocks x 64 batch-heads walked by one block per SM; waves count the work
+    assert p.launch.grid == (H200.sm_count, 1, 1)
+    assert p.waves == pytest.approx(32 * 64 / H200.sm_count)
+    (attention,) = FAMILY.launches(p, DeviceBuffers(0x1000, 0x2000, 0x3000, 0x4000))
+    assert int(attention.args[-1]) == 64  # batch_heads, the queue's second factor
+    # every item carries the same keys: the busiest block has ceil(2048 / 132) of them
+    assert FAMILY.cost_terms(p).imbalance == pytest.approx(16 / (2048 / 132))
+    # stored before the tunable existed: one block per row block
+    stored = KernelParams.from_stored("wgmma_f16", {"consumers": 2, "overlap": 1})
+    assert stored.persistent == 0
+    source = KERNEL.read_text()
+    assert "#ifndef PERSISTENT" in source and "int batch_heads)" in source
+
+
+def test_persistence_is_refused_where_it_has_nothing_to_walk(registered: None) -> None:
+    # one wave's worth of row blocks
+    small = Problem(1024, 128, batch=1, heads=8, dtype="bfloat16")
+    assert "nothing for a persistent block to walk" in plan(small, persistent=1).reason
+    # splits store partials per (row block, split): the queue walks whole row blocks
+    long_keys = Problem(64, 128, batch=1, heads=4, kv_len=65536, dtype="bfloat16")
+    refused = plan(long_keys, consumers=1, split_target=8, persistent=1)
+    assert "splits store partials" in refused.reason
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])

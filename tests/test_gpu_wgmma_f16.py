@@ -29,22 +29,38 @@ pytestmark = pytest.mark.gpu
 CACHE_DIR = os.environ.get("FLASH_ATTENTION_TUNER_CUBIN_CACHE", DEFAULT_CACHE_DIR)
 FAMILY = family_named("wgmma_f16")
 NAMES = ("consumers", "block_n", "stages", "blocks_per_sm", "overlap", "split_target",
-         "pingpong", "staged_store")
+         "pingpong", "staged_store", "persistent")
 #: two consumer warpgroups and one (two blocks an SM), 64- and 128-key tiles, 2-4 stages,
 #: with and without the softmax/P V overlap and the ping-pong, the output from registers or
-#: staged through shared memory, and split targets giving several splits
+#: staged through shared memory, split targets giving several splits, and persistent blocks
 PLANS = (
-    (2, 128, 2, 1, 0, 1 << 16, 0, 0),
-    (2, 128, 3, 1, 1, 1 << 16, 0, 0),
-    (1, 64, 2, 2, 0, 3, 0, 0),
-    (2, 64, 4, 1, 1, 2, 0, 0),
-    (1, 64, 2, 2, 1, 1 << 16, 0, 0),
-    (2, 128, 3, 1, 1, 1 << 16, 1, 0),
-    (2, 64, 2, 1, 1, 2, 1, 0),
-    (2, 128, 3, 1, 1, 1 << 16, 1, 1),
-    (1, 64, 2, 2, 0, 1 << 16, 0, 1),
+    (2, 128, 2, 1, 0, 1 << 16, 0, 0, 0),
+    (2, 128, 3, 1, 1, 1 << 16, 0, 0, 0),
+    (1, 64, 2, 2, 0, 3, 0, 0, 0),
+    (2, 64, 4, 1, 1, 2, 0, 0, 0),
+    (1, 64, 2, 2, 1, 1 << 16, 0, 0, 0),
+    (2, 128, 3, 1, 1, 1 << 16, 1, 0, 0),
+    (2, 64, 2, 1, 1, 2, 1, 0, 0),
+    (2, 128, 3, 1, 1, 1 << 16, 1, 1, 0),
+    (1, 64, 2, 2, 0, 1 << 16, 0, 1, 0),
+    (2, 128, 2, 1, 0, 1 << 16, 0, 0, 1),
+    (2, 128, 3, 1, 1, 1 << 16, 1, 1, 1),
+    (1, 64, 2, 2, 1, 1 << 16, 0, 0, 1),
+    (2, 64, 3, 1, 1, 1 << 16, 0, 1, 1),
 )
-SIZE_ONLY_REASONS = ("larger than needed",)
+#: size-only verdicts: the plans are run anyway (a persistent plan of a few row blocks
+#: walks one each)
+SIZE_ONLY_REASONS = ("larger than needed", "nothing for a persistent block to walk")
+#: persistent plans are made for a device of this many SMs, so that each block of the
+#: small problems here walks several row blocks (the ring's and Q's barrier phases carry on
+#: from one to the next, and the items do not divide evenly among the blocks); the kernel
+#: reads only gridDim, never the SM count
+PERSISTENT_SMS = 5
+
+
+def planning_profile(params: KernelParams, profile):
+    """``profile``, or for a persistent plan the same device with PERSISTENT_SMS SMs."""
+    return dataclasses.replace(profile, sm_count=PERSISTENT_SMS) if params.persistent else profile
 
 
 def problems() -> list[Problem]:
@@ -66,7 +82,7 @@ def plans_for(problem: Problem, profile) -> list[KernelPlan]:
     plans = []
     for values in PLANS:
         params = KernelParams("wgmma_f16", **dict(zip(NAMES, values, strict=True)))
-        plan = FAMILY.plan(problem, params, profile)
+        plan = FAMILY.plan(problem, params, planning_profile(params, profile))
         if not plan.feasible:
             assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
             plan = dataclasses.replace(plan, feasible=True, reason="")
@@ -111,6 +127,9 @@ def test_the_matrix_has_split_plans_overlap_and_both_consumer_counts(
     assert max(plan.sequence_splits for plan in plans) >= 3
     assert {plan.params.consumers for plan in plans} == {1, 2}
     assert {plan.params.overlap for plan in plans} == {0, 1}
+    # persistent blocks walking several row blocks each (and one each)
+    walks = [plan.waves for plan in plans if plan.params.persistent]
+    assert max(walks) >= 5 and min(walks) <= 1
 
 
 #: a stored wgmma plan with key splits (merge and scratch) on the deploy shape below
@@ -122,9 +141,15 @@ DEPLOY_STORED = {
     "overlap": 1,
     "split_target": 4,
 }
+#: and a persistent one (256 row blocks walked by a block per SM, ping-pong, staged store)
+DEPLOY_PERSISTENT = DEPLOY_STORED | {
+    "split_target": 1 << 16, "pingpong": 1, "staged_store": 1, "persistent": 1
+}
 
 
-def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
+@pytest.mark.parametrize("stored_params", [DEPLOY_STORED, DEPLOY_PERSISTENT],
+                         ids=["splits", "persistent"])
+def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path, stored_params) -> None:
     """The deploy path with TMA descriptors: a GQA causal bf16 call against a stored wgmma plan
     is right, stays right when the tensors move (the maps are re-pointed), and a CUDA graph of
     the call replays the eager result."""
@@ -146,7 +171,7 @@ def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
     with PlanRegistry.open(url) as writer:
         probe = Attention(writer)
         stored = PlanRecord(
-            "wgmma_f16", dict(DEPLOY_STORED), build.source_hash("wgmma_f16"), True, median_ms=1.0
+            "wgmma_f16", dict(stored_params), build.source_hash("wgmma_f16"), True, median_ms=1.0
         )
         writer.record(problem, probe.environment(), stored)
         probe.close()
@@ -179,7 +204,10 @@ def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
             assert ours <= 2 * theirs + 1e-5, f"seed {seed}: {ours:.2e} vs torch {theirs:.2e}"
         chosen = ka.default_instance(url).plan_for(problem)
         assert chosen.origin == "registry" and chosen.plan.family == "wgmma_f16"
-        assert chosen.plan.sequence_splits > 1
+        if stored_params.get("persistent"):
+            assert chosen.plan.params.persistent == 1 and chosen.plan.launch.grid[1:] == (1, 1)
+        else:
+            assert chosen.plan.sequence_splits > 1
         static = tensors(3)
         eager = kernels.attention(*static, True, registry=url)
         graph = torch.cuda.CUDAGraph()
@@ -197,12 +225,13 @@ def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path) -> None:
 #: head_dim 192 and 256: the O accumulators leave room for 64-key tiles only (the planner
 #: refuses 128-key ones for registers and shared memory), two consumers or one
 WIDE_PLANS = (
-    (2, 64, 2, 1, 0, 1 << 16, 0, 0),
-    (2, 64, 2, 1, 1, 1 << 16, 0, 0),
-    (1, 64, 3, 1, 1, 1 << 16, 0, 0),
-    (1, 64, 2, 1, 0, 2, 0, 0),
-    (2, 64, 2, 1, 1, 1 << 16, 1, 0),
-    (2, 64, 2, 1, 0, 1 << 16, 0, 1),
+    (2, 64, 2, 1, 0, 1 << 16, 0, 0, 0),
+    (2, 64, 2, 1, 1, 1 << 16, 0, 0, 0),
+    (1, 64, 3, 1, 1, 1 << 16, 0, 0, 0),
+    (1, 64, 2, 1, 0, 2, 0, 0, 0),
+    (2, 64, 2, 1, 1, 1 << 16, 1, 0, 0),
+    (2, 64, 2, 1, 0, 1 << 16, 0, 1, 0),
+    (2, 64, 2, 1, 0, 1 << 16, 0, 1, 1),
 )
 
 
@@ -221,7 +250,7 @@ def test_wide_head_dims_match_the_reference(backend: PyCudaBackend, problem: Pro
     wrong = []
     for values in WIDE_PLANS:
         params = KernelParams("wgmma_f16", **dict(zip(NAMES, values, strict=True)))
-        plan = FAMILY.plan(problem, params, backend.device_profile())
+        plan = FAMILY.plan(problem, params, planning_profile(params, backend.device_profile()))
         if not plan.feasible:
             assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
             plan = dataclasses.replace(plan, feasible=True, reason="")

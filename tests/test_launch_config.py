@@ -79,7 +79,8 @@ def test_signatures_are_found_for_every_entry_function() -> None:
     variant = [np.int32] * 3 + [np.float32] + [np.uintp] * 3
     for family in ("tiled", "mma_f16", "decode_f16", "mma_tf32"):
         assert signatures[f"{family}_attention"] == contract + variant
-    assert signatures["wgmma_f16_attention"] == [TensorMap] * 3 + contract + variant
+    # wgmma_f16: led by its tensor maps, ended by batch_heads (its persistent queue)
+    assert signatures["wgmma_f16_attention"] == [TensorMap] * 3 + contract + variant + [np.int32]
     merge = [np.uintp] * 3 + [np.int32] * 4 + [np.uintp] * 2
     for name in ("split_merge", "mma_f16_split_merge", "decode_f16_split_merge"):
         assert signatures[name] == merge

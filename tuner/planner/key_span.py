@@ -76,3 +76,28 @@ def visible_padded_pairs_per_head(problem: Problem, rows_per_block: int, tile: i
     starts, ends = _block_ranges(problem, rows_per_block, tile)
     tiles = -(-(ends - starts) // tile)
     return int(rows_per_block * tile * tiles.sum())
+
+
+def row_block_tiles(problem: Problem, rows_per_block: int, tile: int) -> np.ndarray:
+    """Tiles of ``tile`` keys each block of ``rows_per_block`` rows visits (one split), in
+    row-block order: a block's share of the work."""
+    starts, ends = _block_ranges(problem, rows_per_block, tile)
+    return -(-(ends - starts) // tile)
+
+
+def persistent_imbalance(
+    problem: Problem, rows_per_block: int, tile: int, blocks: int, heaviest_first: bool
+) -> float:
+    """The busiest block's key tiles over the mean block's when ``blocks`` persistent blocks
+    walk the row blocks x batch-heads queue statically (block b takes items b, b + blocks,
+    ...; row blocks fastest, or heaviest first: ``fa::work_coordinates``). 1.0 when every
+    block carries as much; ``ceil(items / blocks) / (items / blocks)`` when every item does."""
+    tiles = row_block_tiles(problem, rows_per_block, tile)
+    row_blocks, heads = len(tiles), problem.batch_heads
+    items = np.arange(row_blocks * heads, dtype=np.int64)
+    rows = row_blocks - 1 - items // heads if heaviest_first else items % row_blocks
+    work = np.zeros(-(-len(items) // blocks) * blocks, dtype=np.int64)
+    work[: len(items)] = tiles[rows] + 1  # + 1: the item's prologue and epilogue
+    per_block = work.reshape(-1, blocks).sum(axis=0)
+    mean = per_block.mean()
+    return float(per_block.max() / mean) if mean > 0 else 1.0

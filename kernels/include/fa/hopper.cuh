@@ -24,6 +24,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
+// (a TMA load into shared memory the thread has written or read).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // Returns once the phase of parity `parity` has completed (for a fresh barrier, parity 1
 // counts as the completed phase before the first: a producer's first pass over a ring).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {

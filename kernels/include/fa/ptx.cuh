@@ -21,6 +21,9 @@ __device__ __forceinline__ void opaque(const T*& pointer) {
     asm volatile("" : "+l"(pointer));
 }
 
+// The same for an integer: what is computed from it afterwards is not hoisted above here.
+__device__ __forceinline__ void opaque(int& value) { asm volatile("" : "+r"(value)); }
+
 // ---------------------------------------------------------------- cp.async (sm_80+)
 
 // 16 bytes global -> shared, bypassing L1; src_bytes = 0 zero-fills (rows past the end).

@@ -20,16 +20,21 @@ struct BlockCoordinates {
     int bh;       // batch * heads + head (or batch * kv_heads + kv head)
 };
 
-// Under causal masking the row blocks near the end of the sequence carry the most keys:
-// HEAVIEST_FIRST hands them out first, across every (batch, head), so the last wave holds
-// the light blocks (blockIdx.x varies fastest in launch order).
+// Work item `linear` of row_blocks x bh_count (row blocks fastest). Under causal masking the
+// row blocks near the end of the sequence carry the most keys: HEAVIEST_FIRST hands them out
+// first, across every (batch, head), so the last wave holds the light blocks.
+template <bool HeaviestFirst>
+__device__ __forceinline__ BlockCoordinates work_coordinates(int linear, int row_blocks,
+                                                             int bh_count) {
+    if (HeaviestFirst) return {row_blocks - 1 - linear / bh_count, linear % bh_count};
+    return {linear % row_blocks, linear / row_blocks};
+}
+
+// A block's own work item: its place in launch order (blockIdx.x varies fastest).
 template <bool HeaviestFirst>
 __device__ __forceinline__ BlockCoordinates block_coordinates() {
-    if (HeaviestFirst) {
-        const int linear = blockIdx.z * gridDim.x + blockIdx.x;
-        return {static_cast<int>(gridDim.x) - 1 - linear / static_cast<int>(gridDim.z),
-                linear % static_cast<int>(gridDim.z)};
-    }
+    if (HeaviestFirst)
+        return work_coordinates<true>(blockIdx.z * gridDim.x + blockIdx.x, gridDim.x, gridDim.z);
     return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.z)};
 }
 
@@ -75,15 +80,22 @@ struct RowBlock {
     int splits;
     KeyTiles tiles;
 
+    // This block's own: its launch coordinates (grid = (row blocks, splits, heads)).
     __device__ __forceinline__ RowBlock(int seq_len, int kv_len, int group, int keys_per_split,
                                         int window_left, int window_right)
+        : RowBlock(block_coordinates<Variant::kCausal>(), blockIdx.y, gridDim.y, seq_len,
+                   kv_len, group, keys_per_split, window_left, window_right) {}
+
+    // A given one (a persistent block's work item).
+    __device__ __forceinline__ RowBlock(BlockCoordinates at, int split_, int splits_,
+                                        int seq_len, int kv_len, int group, int keys_per_split,
+                                        int window_left, int window_right)
         : mask(seq_len, kv_len, window_left, window_right) {
-        const BlockCoordinates at = block_coordinates<Variant::kCausal>();
         bh = at.bh;
         kv_bh = at.bh / group;
         row0 = at.m_block * BlockM;
-        split = blockIdx.y;
-        splits = gridDim.y;
+        split = split_;
+        splits = splits_;
         tiles = key_tiles<BlockN>(mask, split, keys_per_split, row0, row0 + BlockM - 1);
     }
 

@@ -385,13 +385,14 @@ def split_kv_launches(
     attention_function: str,
     merge_function: str,
     leading: tuple[KernelArgument, ...] = (),
+    trailing: tuple[KernelArgument, ...] = (),
 ) -> tuple[KernelLaunch, ...]:
     """The launches of a family on the split-KV contract, which every tiled and tensor-core
     family keeps: ``attention_function(q, k, v, out, partial_o, partial_stats, seq_len,
     kv_len, group, keys_per_split, scale_log2, heads, window_left, window_right, softcap,
     alibi_slopes, sinks, lse)`` on ``plan.launch``, then the split merge
     (``with_split_merge``) when there are splits. ``leading`` arguments come first (a TMA
-    family's tensor maps)."""
+    family's tensor maps), ``trailing`` ones last (a persistent family's queue length)."""
     p = plan.problem
     attention = kernel_launch(
         plan.launch,
@@ -405,6 +406,7 @@ def split_kv_launches(
             np.int32(plan.keys_per_sequence_split),
             np.float32(scale_log2(p.head_dim)),
             *variant_arguments(p, buffers),
+            *trailing,
         ),
     )
     return with_split_merge(plan, attention, merge_function, buffers)

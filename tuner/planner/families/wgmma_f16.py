@@ -6,7 +6,10 @@ runs the softmax of tile t while P V of tile t-1 is in the tensor cores (FlashAt
 intra-warpgroup overlap), and with ``pingpong`` as well the two consumers take turns issuing
 their GEMMs (FlashAttention-3's inter-warpgroup ping-pong: one group's softmax under the
 other's GEMMs); with ``staged_store`` a consumer's output goes out through its (dead) Q tile
-in whole 16-byte rows instead of from the fragments. K/V tiles of ``block_n`` keys stream
+in whole 16-byte rows instead of from the fragments; with ``persistent`` a grid of one block
+per SM slot walks a static queue of row blocks (heaviest first under causal), its producer
+loading the next row block's K, V and Q while the consumers finish the last (FlashAttention-3's
+static persistent scheduler). K/V tiles of ``block_n`` keys stream
 through a ``stages``-deep ring in shared memory in the 128-byte swizzle (the 64-byte one at
 head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators
 in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
@@ -22,6 +25,8 @@ alignment of every tile.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
@@ -40,7 +45,11 @@ from tuner.planner.families.base import (
 )
 from tuner.planner.families.mma_f16 import DEFAULT_SPLIT_TARGETS
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.key_span import span_tiles, visible_keys_read_per_head
+from tuner.planner.key_span import (
+    persistent_imbalance,
+    span_tiles,
+    visible_keys_read_per_head,
+)
 from tuner.planner.launches import DeviceBuffers, KernelLaunch, TensorMap
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, occupancy_and_waves
@@ -76,7 +85,7 @@ BLOCK_NS = (64, 128)
 GRID_YZ_LIMIT = 65535
 #: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
 NON_MATMUL_FLOPS_PER_PAIR = 5
-#: mbarriers: q_full, then k_full, v_full, k_empty and v_empty per stage; 8 bytes each
+#: mbarriers: q_full and q_empty, then k_full, v_full, k_empty and v_empty per stage; 8 B each
 BARRIER_BYTES = 8
 #: the kernel rounds its dynamic shared base up to 1024 bytes: it asks for that much more
 ALIGNMENT_SLACK = 1024
@@ -87,7 +96,7 @@ def wgmma_f16_shared_bytes(consumers: int, block_n: int, stages: int, head_dim: 
     tile, the K and V ring, the mbarriers, and the alignment slack."""
     q_tiles = consumers * WARPGROUP_ROWS * head_dim * ELEMENT_BYTES
     ring = 2 * stages * block_n * head_dim * ELEMENT_BYTES
-    return q_tiles + ring + BARRIER_BYTES * (1 + 4 * stages) + ALIGNMENT_SLACK
+    return q_tiles + ring + BARRIER_BYTES * (2 + 4 * stages) + ALIGNMENT_SLACK
 
 
 def consumer_registers(consumers: int, blocks_per_sm: int, registers_per_sm: int) -> int:
@@ -191,6 +200,7 @@ class WgmmaF16(KernelFamily):
         # plans stored before the ping-pong existed ran without it (the same SASS)
         Tunable("pingpong", 0, (0, 1), stored_before=0),
         Tunable("staged_store", 0, (0, 1), stored_before=0),
+        Tunable("persistent", 0, (0, 1), stored_before=0),
     )
     heatmap_axes = ("block_n", "consumers")
 
@@ -213,6 +223,7 @@ class WgmmaF16(KernelFamily):
         registers = consumer_registers(consumers, blocks_per_sm, device.registers_per_sm)
         needed = consumer_registers_needed(block_n, d, bool(params.overlap))
         row_blocks = div_ceil(n, block_m)
+        slots = device.sm_count * blocks_per_sm  # blocks resident at once
 
         reason = ""
         if problem.dtype not in self.dtypes:
@@ -237,6 +248,15 @@ class WgmmaF16(KernelFamily):
             reason = f"staged_store={params.staged_store}: 0 or 1"
         elif params.staged_store and splits > 1:
             reason = f"staged_store stores a whole output; {splits} splits store partials"
+        elif params.persistent not in (0, 1):
+            reason = f"persistent={params.persistent}: 0 or 1"
+        elif params.persistent and splits > 1:
+            reason = f"a persistent block walks whole row blocks; {splits} splits store partials"
+        elif params.persistent and row_blocks * bh <= slots:
+            reason = (
+                f"{row_blocks * bh} row blocks fill at most one wave of {slots} SM slots: "
+                "nothing for a persistent block to walk"
+            )
         elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
             reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
         if not reason:
@@ -269,7 +289,12 @@ class WgmmaF16(KernelFamily):
         if not reason and partial > U32_MAX:
             reason = f"split scratch of {partial} floats overflows u32"
 
-        launch = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
+        # the work's grid; a persistent plan launches one block per SM slot to walk it
+        work = Launch(grid=(row_blocks, splits, bh), block=(threads, 1, 1), shared_bytes=shared)
+        launch = work
+        if params.persistent == 1:
+            persistent_blocks = min(slots, row_blocks * bh)
+            launch = Launch(grid=(persistent_blocks, 1, 1), block=work.block, shared_bytes=shared)
         reduce_launch = float4_merge_launch(bh, n, d, splits)
         element = problem.element_bytes
         key_rows = visible_keys_read_per_head(problem, block_m, block_n)
@@ -285,7 +310,8 @@ class WgmmaF16(KernelFamily):
         )
         # __launch_bounds__(threads, blocks_per_sm) and the setmaxnreg split hold the SM to
         # blocks_per_sm blocks, whatever shared memory would allow.
-        occupancy, waves = occupancy_and_waves(launch, threads, blocks_per_sm, device)
+        # (waves count the work's row blocks, which a persistent grid walks in as many)
+        occupancy, waves = occupancy_and_waves(work, threads, blocks_per_sm, device)
         return KernelPlan(
             problem=problem,
             params=params,
@@ -325,6 +351,7 @@ class WgmmaF16(KernelFamily):
             "OVERLAP": params.overlap,
             "PINGPONG": params.pingpong,
             "STAGED_STORE": params.staged_store,
+            "PERSISTENT": params.persistent,
             "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
             # Every sm_90 part has 64K registers an SM (plans carry no device profile).
             "CONSUMER_REGISTERS": consumer_registers(
@@ -335,8 +362,12 @@ class WgmmaF16(KernelFamily):
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
-        # "/p1" and "/ss" only when on: the keys registries hold from before stay valid
-        extras = ("/p1" if params.pingpong else "") + ("/ss" if params.staged_store else "")
+        # "/p1", "/ss" and "/ps" only when on: the keys registries hold from before stay valid
+        extras = (
+            ("/p1" if params.pingpong else "")
+            + ("/ss" if params.staged_store else "")
+            + ("/ps" if params.persistent else "")
+        )
         return (
             f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
             f"/b{params.blocks_per_sm}/o{params.overlap}{extras}/s{plan.sequence_splits}"
@@ -344,9 +375,13 @@ class WgmmaF16(KernelFamily):
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
         """The split-KV contract's launches, the attention kernel's led by its three tensor
-        maps (Q, K, V)."""
+        maps (Q, K, V) and ended by ``batch_heads`` (the persistent queue's second factor)."""
         return split_kv_launches(
-            plan, buffers, *self.entry_functions, leading=wgmma_tensor_maps(plan, buffers)
+            plan,
+            buffers,
+            *self.entry_functions,
+            leading=wgmma_tensor_maps(plan, buffers),
+            trailing=(np.int32(plan.problem.batch_heads),),
         )
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:
@@ -361,6 +396,13 @@ class WgmmaF16(KernelFamily):
         per_block = consumers * (WARPGROUP_ROWS * d + 2 * block_n * d) + 2 * block_n * d
         executed = executed_pairs(plan, block_m)
         block_tiles = executed // (block_m * block_n)
+        imbalance = 1.0
+        if params.persistent:
+            # the launch is one round of blocks; the busiest block's share of the queue sets
+            # the time (the tail a one-block-per-tile grid shows as its last wave)
+            imbalance = persistent_imbalance(
+                p, block_m, block_n, plan.launch.blocks, heaviest_first=p.causal
+            )
         return CostTerms(
             matmul_pipe="wgmma_f16",
             executed_pairs=executed,
@@ -373,6 +415,7 @@ class WgmmaF16(KernelFamily):
             # The TMA ring fetches stages - 1 (K, V) tile pairs ahead of the consumers.
             pipelined=True,
             bytes_in_flight=(params.stages - 1) * 2 * block_n * d * ELEMENT_BYTES,
+            imbalance=imbalance,
         )
 
 
