@@ -13,6 +13,11 @@ the result is each plan's median ratio new / old, and whether the two outputs ag
     python bench/device_layer_regression.py prepare --old-rev 227041d --dir scratch/regression
     python bench/device_layer_regression.py run --dir scratch/regression --out result.json
 
+``--set hopper --old-args same`` compares a later change instead: the Hopper bench's best
+plans (and two mma.sync ones) against an old revision that already takes today's arguments
+(a kernel reads only its own parameters: ``cuLaunchKernel`` ignores the trailing ones an
+old signature lacks). The old cubins are built from that revision's sources and headers.
+
 ``run`` needs torch (allocation, events) and the CUDA driver (kernels.cuda_driver); no pycuda.
 """
 
@@ -78,6 +83,24 @@ PLANS: dict[str, list[tuple[str, str]]] = {
         ("2x8/2x512x128:fp32", "scalar_online/t64"),
     ],
 }
+#: ``--set hopper``: the Hopper bench's best plans at 93a14f6 and two mma.sync plans (the
+#: shared softmax), none persistent (a plan both revisions compile)
+HOPPER_PLANS: dict[str, list[tuple[str, str]]] = {
+    "wgmma_f16": [
+        ("4x16x4096x64:bf16", "wgmma_f16/c2/n128/st4/b1/o0/ss/s1"),
+        ("4x16x4096x96:bf16", "wgmma_f16/c2/n128/st2/b1/o1/p1/s1"),
+        ("4x16x4096x128:bf16", "wgmma_f16/c2/n128/st3/b1/o1/p1/ss/s1"),
+        ("4x16x4096x128c:bf16", "wgmma_f16/c2/n128/st3/b1/o1/p1/s1"),
+        ("1x32x8192x128:bf16", "wgmma_f16/c2/n128/st3/b1/o1/s1"),
+        ("2x16x3001x128c:bf16", "wgmma_f16/c2/n128/st2/b1/o1/p1/ss/s1"),
+        ("4x16x4096x256:bf16", "wgmma_f16/c2/n64/st2/b1/o1/s1"),
+    ],
+    "mma_f16": [
+        ("4x16x4096x128:bf16", "mma_f16/m128/n48/w4/st2/qsmem/g1/s1"),
+        ("8x32x1024x64:bf16", "mma_f16/m128/n64/w4/st3/qreg/g1/s1"),
+    ],
+}
+SETS = {"device-layer": PLANS, "hopper": HOPPER_PLANS}
 #: the arguments the old kernels took: the split-KV contract (after any tensor maps) and
 #: the merge's first six; the new ones append the variant arguments
 OLD_ATTENTION_ARGS = 11
@@ -103,17 +126,27 @@ def compile_old(plan: KernelPlan, old_rev: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         source = Path(scratch) / plan.kernel_family.source
         source.write_text(text)
+        # the revision's shared headers, where it has them
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", old_rev, "kernels/include"], capture_output=True
+        )
+        includes = []
+        if archive.returncode == 0:
+            subprocess.run(["tar", "x", "-C", scratch], input=archive.stdout, check=True)
+            includes = [f"-I{Path(scratch) / 'kernels' / 'include'}"]
         command = [
             build.find_nvcc() or "nvcc", *spec.nvcc_flags, f"-arch={spec.arch(build.DEFAULT_ARCH)}",
-            *(f"-D{name}={value}" for name, value in spec.defines), "-o", str(out), str(source),
+            *includes, *(f"-D{name}={value}" for name, value in spec.defines), "-o", str(out),
+            str(source),
         ]
         subprocess.run(command, capture_output=True, text=True, check=True)
 
 
-def prepare(old_rev: str, directory: Path) -> None:
+def prepare(old_rev: str, directory: Path, plan_set: str = "device-layer",
+            old_args: str = "contract") -> None:
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
-    for family, plans in PLANS.items():
+    for family, plans in SETS[plan_set].items():
         for shape, key in plans:
             plan = find_plan(shape, key)
             new = build.compile_kernel(plan, directory / "cache")
@@ -127,7 +160,7 @@ def prepare(old_rev: str, directory: Path) -> None:
             entries.append({"family": family, "shape": shape, "key": key, "name": name})
             print(f"compiled {family} {shape} {key}", flush=True)
     (directory / "manifest.json").write_text(
-        json.dumps({"old_rev": old_rev, "plans": entries}, indent=1)
+        json.dumps({"old_rev": old_rev, "old_args": old_args, "plans": entries}, indent=1)
     )
 
 
@@ -191,7 +224,7 @@ def run(directory: Path, out: Path, rounds: int, repetitions: int) -> None:
                 partial_ml.data_ptr() if sizes.partial_ml else 0,
             )
             launches = launch_sequence(plan, buffers)
-            if version == "old":
+            if version == "old" and manifest.get("old_args", "contract") == "contract":
                 launches = old_launches(launches)
             cubin = (directory / f"{entry['name']}.{version}.cubin").read_bytes()
             launchers[version] = DriverLauncher(driver, cubin, launches, stream)
@@ -242,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     prepare_parser = commands.add_parser("prepare", help="compile old and new cubins (CPU)")
     prepare_parser.add_argument("--old-rev", required=True)
     prepare_parser.add_argument("--dir", type=Path, required=True)
+    prepare_parser.add_argument("--set", choices=list(SETS), default="device-layer",
+                                help="which plans (default: issue 24's)")
+    prepare_parser.add_argument("--old-args", choices=["contract", "same"], default="contract",
+                                help="the old kernels' arguments: the pre-device-layer "
+                                     "contract, or today's (a later revision)")
     run_parser = commands.add_parser("run", help="time them side by side (GPU)")
     run_parser.add_argument("--dir", type=Path, required=True)
     run_parser.add_argument("--out", type=Path, required=True)
@@ -249,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--repetitions", type=int, default=10)
     arguments = parser.parse_args(argv)
     if arguments.command == "prepare":
-        prepare(arguments.old_rev, arguments.dir)
+        prepare(arguments.old_rev, arguments.dir, arguments.set, arguments.old_args)
     else:
         run(arguments.dir, arguments.out, arguments.rounds, arguments.repetitions)
     return 0
