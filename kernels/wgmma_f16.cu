@@ -229,8 +229,10 @@ __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, cons
     // Its 40 swizzled offsets depend on the thread only: a persistent block's consumers would
     // compute them once, above the work loop, and keep them live through it (ptxas spilled
     // them, 396 B, at head_dim 128).
-    fa::opaque(warp);
-    fa::opaque(lane);
+    if (PERSISTENT) {
+        fa::opaque(warp);
+        fa::opaque(lane);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = 16 * warp + fa::fragment_row(lane, half);
@@ -365,6 +367,8 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                                             &q_map, chunk * CHUNK_COLS, block.row0 + 64 * c,
                                             block.bh, q_full);
                 };
+                // (one block per row block: Q first, as its first S product needs it)
+                if (!PERSISTENT) load_q();
                 for (int t = 0; t < tiles.count; ++t) {
                     const RingSlot slot(ring + t);
                     const int key0 = tiles.begin + t * BLOCK_N;
@@ -375,7 +379,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                         fa::tma_load_3d(
                             s_k + slot.stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
                             &k_map, chunk * CHUNK_COLS, key0, block.kv_bh, k_full + 8 * slot.stage);
-                    if (t == 0) load_q();
+                    if (PERSISTENT && t == 0) load_q();
                     fa::mbar_wait(v_empty + 8 * slot.stage, slot.parity ^ 1);
                     fa::mbar_arrive_expect_tx(v_full + 8 * slot.stage, KV_TILE_BYTES);
 #pragma unroll
@@ -384,7 +388,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                             s_v + slot.stage * KV_TILE_BYTES + chunk * BLOCK_N * SWIZZLE_BYTES,
                             &v_map, chunk * CHUNK_COLS, key0, block.kv_bh, v_full + 8 * slot.stage);
                 }
-                if (tiles.count == 0) load_q();
+                if (PERSISTENT && tiles.count == 0) load_q();
                 ring += tiles.count;
             }
         }

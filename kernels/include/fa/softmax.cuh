@@ -15,26 +15,6 @@
 
 namespace fa {
 
-struct MaxOp {
-    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct SumOp {
-    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
-};
-
-// values[0] op ... op values[N - 1] as a pairwise tree: log2(N) dependent steps where a
-// running fold is N - 1. A tile's row max and row sum were such folds, and their chains were
-// the softmax's largest issue stalls after exp2 (Nsight Compute, wgmma_f16 at 4x16x4096x128
-// on the H200: FMNMX 15%, FADD 8% of stalls). Overwrites `values`.
-template <int N, class Op>
-__device__ __forceinline__ float tree_reduce(float (&values)[N], Op op) {
-#pragma unroll
-    for (int stride = 1; stride < N; stride *= 2)
-#pragma unroll
-        for (int i = 0; i + stride < N; i += 2 * stride) values[i] = op(values[i], values[i + stride]);
-    return values[0];
-}
-
 struct SoftmaxRows {
     float max[2];  // running max, log2 domain (scaled); -inf until a row sees a key
     float sum[2];  // this thread's share of the running sum (the quad's after finish())
@@ -50,25 +30,26 @@ struct SoftmaxRows {
     __device__ __forceinline__ void update(float* s, float scale, float (&correction)[2]) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float partial[NChunks];
+            float tile_max = -INFINITY;
 #pragma unroll
             for (int c = 0; c < NChunks; ++c)
-                partial[c] = fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]);
-            const float tile_max = quad_max(tree_reduce<NChunks>(partial, MaxOp{}));
+                tile_max = fmaxf(tile_max, fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]));
+            tile_max = quad_max(tile_max);
             const float new_max = fmaxf(max[half], tile_max * scale);
             // A row with no visible key yet keeps max -inf: subtract 0, not -inf.
             const float base = new_max == -INFINITY ? 0.f : new_max;
             correction[half] = fast_exp2(max[half] - base);
             max[half] = new_max;
+            float tile_sum = 0.f;
 #pragma unroll
             for (int c = 0; c < NChunks; ++c) {
                 const float p0 = fast_exp2(s[4 * c + 2 * half] * scale - base);
                 const float p1 = fast_exp2(s[4 * c + 2 * half + 1] * scale - base);
                 s[4 * c + 2 * half] = p0;
                 s[4 * c + 2 * half + 1] = p1;
-                partial[c] = p0 + p1;
+                tile_sum += p0 + p1;
             }
-            sum[half] = sum[half] * correction[half] + tree_reduce<NChunks>(partial, SumOp{});
+            sum[half] = sum[half] * correction[half] + tile_sum;
         }
     }
 
