@@ -116,49 +116,47 @@ def find_plan(shape: str, key: str) -> KernelPlan:
     raise SystemExit(f"{key} is not a feasible plan of {problem.label()} today")
 
 
-def compile_old(plan: KernelPlan, old_rev: str, out: Path) -> None:
-    """The plan's constants compiled from the family's source at ``old_rev``."""
-    text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{old_rev}:kernels/{plan.kernel_family.source}"],
-        capture_output=True, text=True, check=True,
-    ).stdout
+def old_kernels(old_rev: str, into: Path) -> Path:
+    """The ``kernels/`` tree of ``old_rev`` (sources, and the shared headers where the
+    revision has them) extracted under ``into``, once for every plan."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", old_rev, "kernels"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "x", "-C", str(into)], input=archive.stdout, check=True)
+    return into / "kernels"
+
+
+def compile_old(plan: KernelPlan, kernels: Path, out: Path) -> None:
+    """The plan's constants compiled from the family's source in the old ``kernels`` tree."""
     spec = build.KernelSpec.from_plan(plan)
-    with tempfile.TemporaryDirectory() as scratch:
-        source = Path(scratch) / plan.kernel_family.source
-        source.write_text(text)
-        # the revision's shared headers, where it has them
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", old_rev, "kernels/include"], capture_output=True
-        )
-        includes = []
-        if archive.returncode == 0:
-            subprocess.run(["tar", "x", "-C", scratch], input=archive.stdout, check=True)
-            includes = [f"-I{Path(scratch) / 'kernels' / 'include'}"]
-        command = [
-            build.find_nvcc() or "nvcc", *spec.nvcc_flags, f"-arch={spec.arch(build.DEFAULT_ARCH)}",
-            *includes, *(f"-D{name}={value}" for name, value in spec.defines), "-o", str(out),
-            str(source),
-        ]
-        subprocess.run(command, capture_output=True, text=True, check=True)
+    includes = [f"-I{kernels / 'include'}"] if (kernels / "include").is_dir() else []
+    command = [
+        build.find_nvcc() or "nvcc", *spec.nvcc_flags, f"-arch={spec.arch(build.DEFAULT_ARCH)}",
+        *includes, *(f"-D{name}={value}" for name, value in spec.defines), "-o", str(out),
+        str(kernels / plan.kernel_family.source),
+    ]
+    subprocess.run(command, capture_output=True, text=True, check=True)
 
 
 def prepare(old_rev: str, directory: Path, plan_set: str = "device-layer",
             old_args: str = "contract") -> None:
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
-    for family, plans in SETS[plan_set].items():
-        for shape, key in plans:
-            plan = find_plan(shape, key)
-            new = build.compile_kernel(plan, directory / "cache")
-            if isinstance(new, build.CompileFailure):
-                raise SystemExit(f"{key}: {new.reason}")
-            name = key.replace("/", "_") + "_" + shape.replace("/", "-").replace(":", "_")
-            old_path = directory / f"{name}.old.cubin"
-            new_path = directory / f"{name}.new.cubin"
-            compile_old(plan, old_rev, old_path)
-            new_path.write_bytes(new.cubin)
-            entries.append({"family": family, "shape": shape, "key": key, "name": name})
-            print(f"compiled {family} {shape} {key}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        kernels = old_kernels(old_rev, Path(scratch))
+        for family, plans in SETS[plan_set].items():
+            for shape, key in plans:
+                plan = find_plan(shape, key)
+                new = build.compile_kernel(plan, directory / "cache")
+                if isinstance(new, build.CompileFailure):
+                    raise SystemExit(f"{key}: {new.reason}")
+                name = key.replace("/", "_") + "_" + shape.replace("/", "-").replace(":", "_")
+                old_path = directory / f"{name}.old.cubin"
+                new_path = directory / f"{name}.new.cubin"
+                compile_old(plan, kernels, old_path)
+                new_path.write_bytes(new.cubin)
+                entries.append({"family": family, "shape": shape, "key": key, "name": name})
+                print(f"compiled {family} {shape} {key}", flush=True)
     (directory / "manifest.json").write_text(
         json.dumps({"old_rev": old_rev, "old_args": old_args, "plans": entries}, indent=1)
     )
