@@ -1,4 +1,4 @@
-"""The backward pass on the GPU: our mma.sync backward next to torch's, and a training step.
+"""The backward pass on the GPU: our backward families next to torch's, and a training step.
 
     PYTHONPATH=$PWD python bench/backward_bench.py --out $OUT/backward_bench.json [--flex]
 
@@ -7,8 +7,9 @@ GQA 2x32/8x4096x128 causal), all in this process, on the same inputs, CUDA event
 backward launches only, L2 flushed before each repetition (``kernels.timing``):
 
 * ours: no tuning (the ~90 s budget has no room for it); the cost model's ``--candidates``
-  best backward plans (``mma_f16_bwd``) are each timed through their deploy handle (dq, dk,
-  dv from dO, O and the LSE), and the fastest is reported with the others; its
+  best backward plans of each family (``mma_f16_bwd``, and ``wgmma_f16_bwd`` on sm_90) are
+  each timed through their deploy handle (dq, dk, dv from dO, O and the LSE), and the
+  fastest is reported with the others (and each family's fastest); its
   deterministic variant too (dQ added in key-tile order), and what ``kernels.attention``'s
   autograd runs with no registry (the planner's default, through ``torch.autograd.grad``);
 * torch SDPA's flash (FlashAttention-2) and cuDNN backwards (``sdpa_kernel``), through
@@ -118,7 +119,14 @@ class Bench:
             (p for p in candidate_space(problem, device).feasible if not p.params.deterministic),
             key=lambda plan: predict_time_ms(plan, device),
         )
-        plans = ranked[: self.args.candidates]
+        # the --candidates best predicted of each backward family (mma_f16_bwd, and
+        # wgmma_f16_bwd on sm_90), so each family's best is measured
+        families = dict.fromkeys(plan.family for plan in ranked)
+        plans = [
+            plan
+            for family in families
+            for plan in [p for p in ranked if p.family == family][: self.args.candidates]
+        ]
         build.compile_many(plans, self.runner.backend.cache_dir, arch=device.arch)
         rows = []
         for plan in plans:
@@ -135,6 +143,11 @@ class Bench:
             return result
         best = min(timed, key=lambda row: row["median_ms"])
         result["best"] = best
+        result["best_by_family"] = {
+            family: min(rows_of, key=lambda row: row["median_ms"])
+            for family in families
+            if (rows_of := [r for r in timed if r["plan"].split("/")[0] == family])
+        }
         chosen = next(plan for plan in plans if plan.key() == best["plan"])
         twin = plan_kernel(
             problem,
@@ -347,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     for name, entry in report["shapes"].items():
         default = entry["ours"].get("autograd_default")
+        for family, row in entry["ours"].get("best_by_family", {}).items():
+            print(f"{name}: best {family}: {row['plan']} {row['median_ms']:.4f} ms")
         print(f"{name}: max |ours - flash| {entry['max_diff_vs_flash']}; kernels.attention "
               f"autograd (default plan) {default}")  # fmt: skip
     if "training_step" in report:

@@ -269,34 +269,15 @@ mma_f16_bwd_attention(const elem_t* __restrict__ q, const elem_t* __restrict__ k
                 }
             }
 
-            // ---- P^T = exp2(logit - lse2) (0 where masked), dS^T = P^T (dP^T - D) [* (1 - tanh^2)]:
-            // element i of n8 tile c is key key_first + 16 kt + lane / 4 + 8 (i / 2), query
-            // q_first + 8 c + 2 (lane % 4) + i % 2 (the m16n8 layout, keys as rows).
+            // ---- P^T = exp2(logit - lse2) (0 where masked), dS^T = P^T * (dP^T - D) [* (1 - tanh^2)]
+            // (include/fa/backward.cuh): key_first + 16 kt + lane / 4 + 8 (i / 2) against query
+            // row0 + qc + 8 c + 2 (lane % 4) + i % 2.
             const bool partial = mask.partial(key_first, KEYS_PER_WARP, q_first, q_last);
 #pragma unroll
-            for (int c = 0; c < Q_TILES; ++c) {
-                const int local = qc + 8 * c + fa::fragment_column(lane);
-                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + local);
-                const float2 d = *reinterpret_cast<const float2*>(s_delta + local);
-#pragma unroll
-                for (int kt = 0; kt < K_TILES; ++kt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int key = key_first + kt * 16 + fa::fragment_row(lane, i / 2);
-                        const int query = row0 + local + i % 2;
-                        float derivative = 1.f;
-                        const float logit2 =
-                            Traits::ScoreModType::kActive
-                                ? score_mod.logit(st[kt][c][i], query, key, 0, derivative)
-                                : st[kt][c][i] * scale_log2;
-                        float p = fa::fast_exp2(logit2 - (i % 2 ? lse2.y : lse2.x));
-                        if (partial && !mask.visible(query, key)) p = 0.f;
-                        float ds = p * (dpt[kt][c][i] - (i % 2 ? d.y : d.x));
-                        if (Traits::kSoftcap) ds *= derivative;
-                        st[kt][c][i] = p;
-                        dpt[kt][c][i] = ds;
-                    }
-            }
+            for (int kt = 0; kt < K_TILES; ++kt)
+                fa::transposed_gradients<Traits, Q_TILES>(
+                    &st[kt][0][0], &dpt[kt][0][0], score_mod, mask, partial, key_first + kt * 16,
+                    q_first, s_lse + qc, s_delta + qc, scale_log2, lane);
 
             // ---- dV += P^T dO, then dS^T to shared memory and dK += dS^T Q
 #pragma unroll

@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent / "include" / "fa" / "wgmma_ops.cuh"
-#: the N of the m64nNk16 shapes the families use (key tiles for S, head_dims for O)
-WIDTHS = (64, 96, 128, 192, 256)
+#: the N of the m64nNk16 shapes the families use (key tiles for S, head_dims for O, the
+#: backward's dQ shares)
+WIDTHS = (32, 64, 96, 128, 192, 256)
 #: C++ element type -> the PTX type name
 ELEMENT_TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
 
@@ -27,6 +28,8 @@ PREAMBLE = """\
 // wgmma.mma_async m64nNk16 with fp32 accumulators, D (+)= A * B:
 //   Wgmma<N, Elem>::ss(d, desc_a, desc_b, scale_d): A [64 x 16] and B [16 x N] from shared
 //     memory (descriptors), both K-major;
+//   Wgmma<N, Elem>::ss_bt(d, desc_a, desc_b, scale_d): the same with B MN-major
+//     (imm-trans-b = 1: the backward's dQ = dS K, K stored keys x head_dim);
 //   Wgmma<N, Elem>::rs(d, a, desc_b, scale_d): A from registers (the m16n8k16 A fragment of
 //     each warp's 16 rows), B from shared memory MN-major (imm-trans-b = 1);
 // scale_d = 0 overwrites D, 1 accumulates. A thread holds N / 2 accumulators, register i of
@@ -70,6 +73,17 @@ def specialisation_macro(n: int) -> str:
         f"                {shape}",
         f'                "{{{names}}}, "',
         f'                "%{registers}, %{registers + 1}, p, 1, 1, 0, 0;\\n}}\\n"',
+        f"                : {operands}",
+        '                : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
+        "        }",
+        "        static __device__ __forceinline__ void ss_bt(float* d, uint64_t desc_a,",
+        "                                                     uint64_t desc_b, int scale_d) {",
+        "            asm volatile(",
+        '                "{\\n.reg .pred p;\\n"',
+        f'                "setp.ne.b32 p, %{registers + 2}, 0;\\n"',
+        f"                {shape}",
+        f'                "{{{names}}}, "',
+        f'                "%{registers}, %{registers + 1}, p, 1, 1, 0, 1;\\n}}\\n"',
         f"                : {operands}",
         '                : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
         "        }",

@@ -21,7 +21,8 @@
 // (n, s, b * kv_heads + j) visits query heads j * group + s * group / splits + g for
 // g < group / splits. Buffers (float32, rows padded to whole query blocks, rows_padded =
 // round_up(seq_len, BlockM)): lse_log2 and delta [batch * heads][rows_padded] (padded rows:
-// lse +inf, D 0, so their P is 0), dq_accum [batch * heads][seq_len][head_dim], the
+// lse +inf, D 0, so their P is 0), dq_accum [batch * heads][seq_len][head_dim] (or tiled,
+// [batch * heads][rows_padded * head_dim] in backward_dq_tiled's order), the
 // deterministic mode's counters [batch * heads][rows_padded / BlockM].
 #pragma once
 
@@ -95,14 +96,110 @@ struct KeyBlock {
         queries = visiting_query_blocks<BlockM, BlockN>(mask, seq_len, key0);
         count = heads_per_block * (queries.end - queries.begin);
     }
-    // Iteration it: the query head (bh) and the query block (m).
+    // Iteration it: the query head (bh) and the query block (m). A head's blocks are visited
+    // last first: under a causal mask every key tile's range ends at the last block, so the
+    // tiles visit block m at the same iteration and the deterministic mode's key-tile order
+    // costs each step a short chain of turns; first to last, key tile n would reach the last
+    // block n * BlockN / BlockM iterations after tile 0 and wait that long at its first turn.
     __device__ __forceinline__ int bh_of(int it) const {
         return bh0 + it / (queries.end - queries.begin);
     }
     __device__ __forceinline__ int m_block_of(int it) const {
-        return queries.begin + it % (queries.end - queries.begin);
+        return queries.end - 1 - it % (queries.end - queries.begin);
     }
 };
+
+// ---------------------------------------------------------------- P^T and dS^T
+
+// The elementwise step of every backward family, on the transposed (key-major) products of
+// one warp's 16 keys against QChunks n8 chunks of queries, in the m16n8 accumulator layout
+// that mma.sync and wgmma share (keys as rows): S^T (raw q.k) becomes P^T = exp2(logit2 -
+// lse2) (0 where masked) and dP^T becomes dS^T = P^T (dP^T - D), times the softcap's
+// derivative. Element i of chunk c is key key_base + lane / 4 + 8 (i / 2), query query_base +
+// 8 c + 2 (lane % 4) + i % 2; s_lse and s_delta hold the queries' lse_log2 and D from
+// query_base on (padded rows: +inf and 0, so their P is 0). `partial`: some pair of the tile
+// may be hidden (Mask::partial), so each element is tested.
+
+// One element's probability; `derivative` gets d logit / d (x * scale) (1 without a softcap).
+template <class Variant>
+__device__ __forceinline__ float transposed_probability(
+    float x, const typename Variant::ScoreModType& score_mod,
+    const typename Variant::MaskType& mask, bool partial, int key, int query, float lse2,
+    float scale_log2, float& derivative) {
+    derivative = 1.f;
+    const float logit2 = Variant::ScoreModType::kActive
+                             ? score_mod.logit(x, query, key, 0, derivative)
+                             : x * scale_log2;
+    const float p = fast_exp2(logit2 - lse2);
+    return partial && !mask.visible(query, key) ? 0.f : p;
+}
+
+// Both at once: st becomes P^T, dpt becomes dS^T.
+template <class Variant, int QChunks>
+__device__ __forceinline__ void transposed_gradients(
+    float* st, float* dpt, const typename Variant::ScoreModType& score_mod,
+    const typename Variant::MaskType& mask, bool partial, int key_base, int query_base,
+    const float* s_lse, const float* s_delta, float scale_log2, int lane) {
+#pragma unroll
+    for (int c = 0; c < QChunks; ++c) {
+        const int local = 8 * c + fragment_column(lane);
+        const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + local);
+        const float2 d = *reinterpret_cast<const float2*>(s_delta + local);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float derivative;
+            const float p = transposed_probability<Variant>(
+                st[4 * c + i], score_mod, mask, partial, key_base + fragment_row(lane, i / 2),
+                query_base + local + i % 2, i % 2 ? lse2.y : lse2.x, scale_log2, derivative);
+            float ds = p * (dpt[4 * c + i] - (i % 2 ? d.y : d.x));
+            if (Variant::kSoftcap) ds *= derivative;
+            st[4 * c + i] = p;
+            dpt[4 * c + i] = ds;
+        }
+    }
+}
+
+// In two passes, so a product of P^T can start before dS^T exists. The first: P^T packed into
+// the 16-bit A fragments of the QChunks / 2 k16 steps (p_frag: chunks 2 j and 2 j + 1), and st
+// left holding P^T times the softcap's derivative (what dS^T multiplies) ...
+template <class Variant, int QChunks>
+__device__ __forceinline__ void transposed_probabilities(
+    float* st, uint32_t (*p_frag)[4], const typename Variant::ScoreModType& score_mod,
+    const typename Variant::MaskType& mask, bool partial, int key_base, int query_base,
+    const float* s_lse, float scale_log2, int lane) {
+#pragma unroll
+    for (int j = 0; j < QChunks / 2; ++j) {
+        float derivative[8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = 2 * j + h;
+            const int local = 8 * c + fragment_column(lane);
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + local);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                st[4 * c + i] = transposed_probability<Variant>(
+                    st[4 * c + i], score_mod, mask, partial, key_base + fragment_row(lane, i / 2),
+                    query_base + local + i % 2, i % 2 ? lse2.y : lse2.x, scale_log2,
+                    derivative[4 * h + i]);
+        }
+        pack_a_fragment<typename Variant::Elem>(st + 8 * j, p_frag[j]);
+        if (Variant::kSoftcap)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) st[8 * j + i] *= derivative[i];
+    }
+}
+
+// ... the second: dS^T = st (dP^T - D) in place of dP^T.
+template <int QChunks>
+__device__ __forceinline__ void transposed_score_gradients(const float* st, float* dpt,
+                                                           const float* s_delta, int lane) {
+#pragma unroll
+    for (int c = 0; c < QChunks; ++c) {
+        const float2 d = *reinterpret_cast<const float2*>(s_delta + 8 * c + fragment_column(lane));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dpt[4 * c + i] = st[4 * c + i] * (dpt[4 * c + i] - (i % 2 ? d.y : d.x));
+    }
+}
 
 // ---------------------------------------------------------------- preprocess
 
@@ -111,7 +208,7 @@ struct KeyBlock {
 // mode). 128-thread blocks.
 constexpr int kPreprocessThreads = 128;
 
-template <typename Elem, int HeadDim, int BlockM>
+template <typename Elem, int HeadDim, int BlockM, bool TiledAccumulator = false>
 __device__ __forceinline__ void backward_preprocess(const Elem* __restrict__ out,
                                                     const Elem* __restrict__ dout,
                                                     const float* __restrict__ lse,
@@ -127,6 +224,12 @@ __device__ __forceinline__ void backward_preprocess(const Elem* __restrict__ out
     if (row >= static_cast<long long>(batch_heads) * rows_padded) return;  // the whole warp
     const int bh = static_cast<int>(row / rows_padded);
     const int r = static_cast<int>(row % rows_padded);
+    if (TiledAccumulator && lane < HeadDim / 4) {
+        // the tiled accumulator has a padded row's worth of elements for every padded row:
+        // row `row`'s zeroes its elements [row * HeadDim, (row + 1) * HeadDim), padding too
+        reinterpret_cast<float4*>(dq_accum + static_cast<size_t>(row) * HeadDim)[lane] =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     if (r >= seq_len) {
         if (lane == 0) {
             delta[row] = 0.f;
@@ -150,8 +253,11 @@ __device__ __forceinline__ void backward_preprocess(const Elem* __restrict__ out
     }
 #pragma unroll
     for (int width = 16; width >= 1; width /= 2) dot += __shfl_xor_sync(0xffffffff, dot, width);
-    float4* accumulator = reinterpret_cast<float4*>(dq_accum + offset);
-    for (int c = lane; c < HeadDim / 4; c += 32) accumulator[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!TiledAccumulator) {
+        float4* accumulator = reinterpret_cast<float4*>(dq_accum + offset);
+        for (int c = lane; c < HeadDim / 4; c += 32)
+            accumulator[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     if (lane == 0) {
         delta[row] = dot;
         lse_log2[row] = lse[static_cast<size_t>(bh) * seq_len + r] * kLog2e;  // +inf stays +inf
@@ -172,6 +278,40 @@ __device__ __forceinline__ void backward_dq(const float* __restrict__ dq_accum,
     if (i >= quads) return;
     const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
     store_quad<Elem>(dq + 4 * i, make_float4(a.x * scale, a.y * scale, a.z * scale, a.w * scale));
+}
+
+// The same from a tiled accumulator (wgmma_f16_bwd's): [batch * heads][query block][warpgroup]
+// [warp][n8 chunk][lane][4] for query blocks of BlockM = 64 rows and warpgroups of HeadDim / 2
+// columns, i.e. each warp's m16 fragments of its 16 rows in register order (registers 4 c ..
+// 4 c + 3 of lane l: rows l / 4 and l / 4 + 8, columns 8 c + 2 (l % 4) + 0, 1), which is what a
+// warp stages for one bulk reduction. A thread per 4 values (one lane's chunk); rows past
+// seq_len (the last block's padding) are dropped.
+template <typename Elem, int HeadDim, int BlockM>
+__device__ __forceinline__ void backward_dq_tiled(const float* __restrict__ dq_accum,
+                                                  Elem* __restrict__ dq, int seq_len,
+                                                  int batch_heads, float scale) {
+    constexpr int kColumns = HeadDim / 2;       // a warpgroup's share
+    constexpr int kChunks = kColumns / 8;       // n8 chunks of a warp's rows
+    constexpr int kWarpQuads = kChunks * 32;    // quads of a warp's 16 rows
+    constexpr int kBlockQuads = 2 * 4 * kWarpQuads;  // two warpgroups of four warps
+    static_assert(BlockM == 64, "query blocks of one warpgroup's 64 rows");
+    const int blocks = (seq_len + BlockM - 1) / BlockM;
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= static_cast<long long>(batch_heads) * blocks * kBlockQuads) return;
+    const long long tile = i / kBlockQuads;  // bh * blocks + m
+    int q = static_cast<int>(i % kBlockQuads);
+    const int wg = q / (4 * kWarpQuads);
+    q %= 4 * kWarpQuads;
+    const int warp = q / kWarpQuads;
+    q %= kWarpQuads;
+    const int chunk = q / 32, lane = q % 32;
+    const int bh = static_cast<int>(tile / blocks), m = static_cast<int>(tile % blocks);
+    const int row = m * BlockM + 16 * warp + lane / 4;
+    const int column = wg * kColumns + 8 * chunk + 2 * (lane % 4);
+    const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
+    Elem* out = dq + (static_cast<size_t>(bh) * seq_len + row) * HeadDim + column;
+    if (row < seq_len) store_pair<Elem>(out, a.x * scale, a.y * scale);
+    if (row + 8 < seq_len) store_pair<Elem>(out + 8 * HeadDim, a.z * scale, a.w * scale);
 }
 
 // dK and dV of each KV head: the sum of its `splits` float32 partials (one per share of the

@@ -57,6 +57,33 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
+// ---------------------------------------------------------------- bulk reductions
+
+// `bytes` (a multiple of 16) of float32 at shared `src` added element by element to global
+// `dst` (both 16-byte aligned) by the TMA unit (cp.reduce.async.bulk .add.f32, sm_90), in this
+// thread's current bulk group: the thread goes on at once, and no register waits for the
+// memory system (what per-element red.global.add costs).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                     dst),
+                 "r"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Returns once at most N of this thread's bulk groups have not yet read their shared source
+// (it may be written again) ...
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// ... or not yet completed (their writes performed).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // ---------------------------------------------------------------- wgmma fences
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -121,6 +148,29 @@ __device__ __forceinline__ uint64_t swizzled_mn_major(uint32_t tile, int rows, i
                                           8 * SWIZZLE_BYTES);
 }
 
+// The same descriptors as a base (make_descriptor once per tile) plus a per-step constant:
+// the start-address field (bits 0-13, address >> 4) takes a byte offset >> 4 without carrying
+// into LBO, as shared addresses stay below 256 KB. With j unrolled each step is one 64-bit add
+// of an immediate, where make_descriptor per wgmma costs a dozen dependent instructions
+// (ptxas's SASS: uniform-register masks and shifts between consecutive HGMMAs).
+template <int SWIZZLE_BYTES>
+__device__ __forceinline__ uint64_t k_major_base(uint32_t tile) {
+    return make_descriptor<SWIZZLE_BYTES>(tile, 16, 8 * SWIZZLE_BYTES);
+}
+template <int SWIZZLE_BYTES, int Rows>
+__host__ __device__ constexpr uint64_t k_major_step(int j) {
+    return (uint64_t)((j / (SWIZZLE_BYTES / 32)) * Rows * SWIZZLE_BYTES +
+                      (j % (SWIZZLE_BYTES / 32)) * 32) >> 4;
+}
+template <int SWIZZLE_BYTES, int Rows>
+__device__ __forceinline__ uint64_t mn_major_base(uint32_t tile) {
+    return make_descriptor<SWIZZLE_BYTES>(tile, Rows * SWIZZLE_BYTES, 8 * SWIZZLE_BYTES);
+}
+template <int SWIZZLE_BYTES>
+__host__ __device__ constexpr uint64_t mn_major_step(int j) {
+    return (uint64_t)(j * 16 * SWIZZLE_BYTES) >> 4;
+}
+
 // ---------------------------------------------------------------- named barriers
 
 // bar.sync / bar.arrive on barrier `id` (1..15; 0 is __syncthreads) of `threads` threads, a
@@ -143,6 +193,20 @@ __device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int byte)
     const int phase = (row / (128 / SWIZZLE_BYTES)) % (SWIZZLE_BYTES / 16);
     return chunk * rows * SWIZZLE_BYTES + row * SWIZZLE_BYTES +
            (((in_row / 16) ^ phase) * 16 | (in_row % 16));
+}
+
+// ---------------------------------------------------------------- stmatrix
+
+// Four 8x8 b16 matrices to shared memory, transposed (stmatrix .trans, sm_90): register i of
+// lane l holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i (the m16n8
+// accumulator layout, packed); lanes 8i..8i+7 give the addresses of matrix i's stored rows,
+// and stored row r (16 bytes) receives column r of the matrix. What turns a fragment of
+// dS^T (keys x queries) into rows of dS (queries x keys) in the backward.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     addr),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
 }
 
 // ---------------------------------------------------------------- registers

@@ -70,6 +70,7 @@ for _module in (
     "mma_tf32",
     "wgmma_f16",
     "mma_f16_bwd",
+    "wgmma_f16_bwd",
     "serving_f16",
 ):
     register(import_module(f"{__name__}.{_module}").FAMILY)

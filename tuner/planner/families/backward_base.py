@@ -75,6 +75,30 @@ class BackwardFamily(KernelFamily):
         p = plan.problem
         return BufferElements(p.batch_heads * p.seq_len * p.head_dim, 0, 0, p.element_bytes)
 
+    def dq_accumulator_elements(self, plan: KernelPlan) -> int:
+        """Floats of the dQ accumulator: one per element of dQ ([batch * heads][seq_len]
+        [head_dim]); a family whose accumulator is laid out otherwise says its own."""
+        p = plan.problem
+        return p.batch_heads * p.seq_len * p.head_dim
+
+    def dq_launch(self, plan: KernelPlan, buffers: BackwardBuffers) -> KernelLaunch:
+        """The dQ cast: ``dq_function(dq_accum, dq, quads, scale)``, a thread per 4 values of
+        the row-major accumulator (``backward.cuh``'s ``backward_dq``)."""
+        p = plan.problem
+        quads = p.batch_heads * p.seq_len * p.head_dim // 4
+        return KernelLaunch(
+            self.dq_function,
+            (div_ceil(quads, POSTPROCESS_THREADS), 1, 1),
+            (POSTPROCESS_THREADS, 1, 1),
+            0,
+            (
+                np.uintp(buffers.dq_accum),
+                np.uintp(buffers.dq),
+                np.int32(quads),
+                np.float32(1 / math.sqrt(p.head_dim)),
+            ),
+        )
+
     def backward_scratch(self, plan: KernelPlan) -> BackwardScratch:
         p = plan.problem
         block_m = self.block_m(plan)
@@ -84,7 +108,7 @@ class BackwardFamily(KernelFamily):
         return BackwardScratch(
             lse_log2=F32_BYTES * rows,
             delta=F32_BYTES * rows,
-            dq_accum=F32_BYTES * p.batch_heads * p.seq_len * p.head_dim,
+            dq_accum=F32_BYTES * self.dq_accumulator_elements(plan),
             counters=4 * rows // block_m if self.deterministic(plan) else 0,
             dkv_partial=F32_BYTES * partial,
         )
@@ -124,21 +148,7 @@ class BackwardFamily(KernelFamily):
                 self.main_arguments(plan, buffers),
             ),
         ]
-        quads = p.batch_heads * p.seq_len * p.head_dim // 4
-        launches.append(
-            KernelLaunch(
-                self.dq_function,
-                (div_ceil(quads, POSTPROCESS_THREADS), 1, 1),
-                (POSTPROCESS_THREADS, 1, 1),
-                0,
-                (
-                    np.uintp(buffers.dq_accum),
-                    np.uintp(buffers.dq),
-                    np.int32(quads),
-                    np.float32(1 / math.sqrt(p.head_dim)),
-                ),
-            )
-        )
+        launches.append(self.dq_launch(plan, buffers))
         if split > 1:
             kv_quads = p.batch_kv_heads * p.kv_len * p.head_dim // 4
             launches.append(

@@ -215,6 +215,7 @@ class KernelFamily(ABC):
                 f"{self.name} computes the {self.direction} pass, not the {problem.direction} pass"
             )
         return ""
+
     def takes_layout(self, problem: Problem) -> bool:
         """Whether the problem's layout (serving batch or dense) is this family's."""
         return problem.serving == self.serving
