@@ -78,7 +78,9 @@ def test_the_chooser_serves_a_backward_problem_only_a_backward_plan(
         IgnoresDirection(), H200, H200_PROFILE, source_hashes={}, check=lambda plan: plan
     )
     chosen = chooser.plan_for(BACKWARD)
-    assert chosen.origin == "default" and chosen.plan.family == "mma_f16_bwd"
+    # (the backward default on the H200: the Hopper backward)
+    assert chosen.origin == "default" and chosen.plan.family == "wgmma_f16_bwd"
+    assert chosen.plan.kernel_family.direction == "backward"
     assert any("stored for bfloat16 forward; not used" in note for note in chosen.warnings)
     assert chooser.plan_for(FORWARD).plan.family == "mma_f16"
 
