@@ -1,6 +1,7 @@
 """The kernel sources, unchanged, on a CPU emulator of the CUDA execution model
-(``tests/device_emulation``): every index, fragment layout (ldmatrix, mma.sync at the PTX
-ISA's semantics), mask and barrier of the forward's LSE and of the whole backward, checked
+(``tests/device_emulation``): every index, fragment layout (ldmatrix, mma.sync, and for the
+Hopper backward wgmma's swizzled descriptors, stmatrix and bulk reductions, at the PTX ISA's
+semantics), mask and barrier of the forward's LSE and of both backward families, checked
 against float64 with the GPU backend's own rule, on a machine without a GPU. Needs g++ and
 the CUDA headers; each case builds the plan's kernel once (cached) and runs in seconds.
 """
@@ -61,11 +62,50 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("problem", "params"), CASES, ids=[p.label() for p, _ in CASES])
-def test_emulated_backward_matches_float64(problem: Problem, params: dict[str, int]) -> None:
+#: the Hopper backward (wgmma, stmatrix, bulk reductions emulated: include/fa/hopper.cuh and
+#: wgmma_ops.cuh beside the emulator): the swizzled descriptors of every product, the
+#: transposed dS, the tiled dQ accumulator and its cast
+WGMMA_CASES = [
+    # head_dim 128 (dQ split by 64-column chunks), causal with kv_len > seq_len, odd lengths
+    (Problem(130, 128, causal=True, dtype="bfloat16", kv_len=150), {}),
+    # head_dim 64 (a warpgroup's dQ columns start mid-row), float16, GQA in two shares,
+    # deterministic
+    (
+        Problem(70, 64, heads=4, kv_heads=2, dtype="float16", kv_len=90),
+        {"deterministic": 1, "group_split": 2},
+    ),
+    # a window, softcap, ALiBi and sinks
+    (
+        Problem(
+            90,
+            64,
+            heads=2,
+            causal=True,
+            window_left=40,
+            dtype="bfloat16",
+            softcap=3.0,
+            alibi=True,
+            sinks=True,
+        ),
+        {},
+    ),  # fmt: skip
+]
+ALL_CASES = [("mma_f16_bwd", p, params) for p, params in CASES] + [
+    ("wgmma_f16_bwd", p, params) for p, params in WGMMA_CASES
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "problem", "params"),
+    ALL_CASES,
+    ids=[f"{family}-{p.label()}" for family, p, _ in ALL_CASES],
+)
+def test_emulated_backward_matches_float64(
+    family: str, problem: Problem, params: dict[str, int]
+) -> None:
     forward = plan_kernel(problem, KernelParams("mma_f16", **FORWARD), H200)
     backward_problem = dataclasses.replace(problem, direction="backward")
-    backward = plan_kernel(backward_problem, KernelParams("mma_f16_bwd", **params), H200)
+    backward = plan_kernel(backward_problem, KernelParams(family, **params), H200)
     assert forward.feasible and backward.feasible, (forward.reason, backward.reason)
     run = emulate.emulate_backward(forward, backward)
     sinks = run.sinks if problem.sinks else None

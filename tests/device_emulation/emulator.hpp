@@ -1,8 +1,8 @@
 // The CUDA execution model on host threads, so the project's kernel sources run unchanged on
 // a machine without a GPU (tests/test_device_emulation.py): one std::thread per CUDA thread
 // of a block, blocks one after another in launch order (x fastest), warp-synchronous
-// instructions (ldmatrix, mma.sync, shuffles) as exchanges between a warp's 32 threads at a
-// barrier, __syncthreads as a block barrier. Shared memory is one buffer, filled with NaN
+// instructions (ldmatrix, mma.sync, stmatrix, shuffles, and a warp's share of wgmma) as exchanges
+// between a warp's 32 threads at a barrier, __syncthreads as a block barrier. Shared memory is one buffer, filled with NaN
 // bytes before every block (a read of an unwritten byte shows). The emulated PTX wrappers are
 // include/fa/ptx.cuh beside this file, which shadows the real one on the include path.
 //
@@ -108,6 +108,18 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
     T result;
     emu::exchange(&word, 1, [&](const uint32_t (*words)[12]) {
         std::memcpy(&result, &words[emu::lane_id() ^ lane_mask][0], 4);
+    });
+    return result;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned, T value, int source_lane) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
+    uint32_t word;
+    std::memcpy(&word, &value, 4);
+    T result;
+    emu::exchange(&word, 1, [&](const uint32_t (*words)[12]) {
+        std::memcpy(&result, &words[source_lane % 32][0], 4);
     });
     return result;
 }

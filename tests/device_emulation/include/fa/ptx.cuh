@@ -42,6 +42,17 @@ inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
 
+// ---------------------------------------------------------------- shared stores
+
+inline void st_shared_v4_f32(uint32_t addr, float a, float b, float c, float d) {
+    if (addr % 16 || addr + 16 > emu::kSharedBytes) {
+        std::fprintf(stderr, "st.shared.v4.f32 to %u: misaligned or out of range\n", addr);
+        std::abort();
+    }
+    const float values[4] = {a, b, c, d};
+    std::memcpy(shared_raw + addr, values, 16);
+}
+
 // ---------------------------------------------------------------- ldmatrix
 
 inline uint16_t shared_half(uint32_t address) {
