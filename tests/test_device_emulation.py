@@ -1,7 +1,9 @@
 """The kernel sources, unchanged, on a CPU emulator of the CUDA execution model
 (``tests/device_emulation``): every index, fragment layout (ldmatrix, mma.sync, and for the
-Hopper backward wgmma's swizzled descriptors, stmatrix and bulk reductions, at the PTX ISA's
-semantics), mask and barrier of the forward's LSE and of both backward families, checked
+Hopper kernels wgmma's swizzled descriptors, the TMA, mbarriers, named barriers, stmatrix and
+bulk reductions, at the PTX ISA's semantics), mask and barrier of the forward's LSE, of the
+Hopper forward (its warp specialisation, overlap, ping-pong, persistent queue, split-KV merge)
+and of both backward families, checked
 against float64 with the GPU backend's own rule, on a machine without a GPU. Needs g++ and
 the CUDA headers; each case builds the plan's kernel once (cached) and runs in seconds.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from device_emulation import emulate
 
@@ -144,3 +147,78 @@ def test_a_transposed_fragment_fails_the_check_which_says_where() -> None:
     dk = run.gradients["dk"].reshape(-1, 8, 8).transpose(0, 2, 1).reshape(-1)
     broken = reference.check(run.gradients | {"dk": dk})
     assert not broken.ok and "worst dk at [KV head, key, column]" in broken.detail
+
+
+# ---------------------------------------------------------------------------- the Hopper forward
+
+#: wgmma_f16 plans (tunables, and the SMs the planner sees: a persistent grid of 2 blocks walks
+#: several row blocks each); the emulated TMA, mbarriers, named barriers and wgmma
+#: (include/fa/hopper.cuh and wgmma_ops.cuh beside the emulator)
+WGMMA_FORWARD_CASES = [
+    # two consumers, the default plan, causal with kv_len > seq_len, odd lengths
+    (Problem(130, 128, causal=True, dtype="bfloat16", kv_len=150), {}, None),
+    # FlashAttention-3's intra-warpgroup overlap, ping-pong and the staged store
+    (
+        Problem(130, 128, heads=2, causal=True, dtype="bfloat16"),
+        {"overlap": 1, "pingpong": 1, "staged_store": 1, "stages": 3},
+        None,
+    ),
+    # the persistent queue (heaviest first under causal), one consumer, 64-key tiles, float16
+    (
+        Problem(200, 64, heads=3, causal=True, dtype="float16"),
+        {"consumers": 1, "block_n": 64, "persistent": 1, "overlap": 1},
+        2,
+    ),
+    # head_dim 96 (the 64-byte swizzle), GQA, a KV cache with a window, softcap and sinks
+    (
+        Problem(
+            100,
+            96,
+            heads=4,
+            kv_heads=2,
+            kv_len=300,
+            causal=True,
+            window_left=50,
+            softcap=30.0,
+            sinks=True,
+            dtype="bfloat16",
+        ),
+        {"consumers": 1, "block_n": 64},
+        None,
+    ),  # fmt: skip
+    # split-KV: a short query over a long cache, partials merged by wgmma_f16_split_merge
+    (
+        Problem(3, 128, heads=2, kv_len=1000, dtype="bfloat16"),
+        {"consumers": 1, "split_target": 2},
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("problem", "params", "sms"),
+    WGMMA_FORWARD_CASES,
+    ids=[p.label() for p, _, _ in WGMMA_FORWARD_CASES],
+)
+def test_emulated_wgmma_forward_matches_float64(
+    problem: Problem, params: dict[str, int], sms: int | None
+) -> None:
+    device = H200 if sms is None else dataclasses.replace(H200, sm_count=sms)
+    plan = plan_kernel(problem, KernelParams("wgmma_f16", **params), device)
+    assert plan.feasible or "larger than needed" in plan.reason, plan.reason
+    if "split_target" in params:
+        assert plan.sequence_splits > 1
+    if params.get("persistent"):
+        assert plan.launch.grid[0] < problem.batch_heads * -(-problem.seq_len // 64)
+    run = emulate.emulate_forward(plan)
+    reference = BackwardReference.compute(
+        problem,
+        run.q,
+        run.k,
+        run.v,
+        np.zeros(run.q.shape, dtype=np.float32),
+        run.alibi_slopes if problem.alibi else None,
+        run.sinks if problem.sinks else None,
+    )
+    checked = reference.check_forward(run.out, run.lse, precision.FALLBACK_TOLERANCE[problem.dtype])
+    assert checked.ok, checked.detail

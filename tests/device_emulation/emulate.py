@@ -5,8 +5,9 @@ includes the real ``kernels/<family>.cu``) with g++ and the plan's defines, once
 set; ``run(executable, buffers, launches, addresses)`` sends the launches a family built with
 marker addresses (``addresses``: buffer name -> marker) and returns every buffer's bytes after
 them. Slow (a thread per CUDA thread): for problems of a few hundred rows.
-``emulate_backward(forward, backward)`` runs a forward plan (with its LSE) and a backward
-plan on seeded inputs, as the GPU backend does.
+``emulate_forward(plan)`` runs a forward plan (with its LSE) on seeded inputs;
+``emulate_backward(forward, backward)`` a forward plan and then a backward plan, as the GPU
+backend does. Tensor-map arguments go to the emulated TMA (``include/fa/hopper.cuh``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,19 @@ def build(main: str, defines: Mapping[str, int]) -> Path:
 
 def _argument(value: object, names: Mapping[int, str]) -> str:
     if isinstance(value, TensorMap):
-        raise ValueError("the emulator has no TMA")
+        # harness.hpp's tensor_map(): the buffer, element bytes, swizzle, dims, strides, box
+        if len(value.dims) != 3:
+            raise ValueError(f"the emulated TMA takes 3-D maps, not {len(value.dims)}-D")
+        element_bytes = np.dtype(precision.storage_type(value.dtype)).itemsize
+        fields_ = (
+            names[value.address],
+            str(element_bytes),
+            str(value.swizzle_bytes),
+            ",".join(map(str, value.dims)),
+            ",".join(map(str, value.strides_bytes)),
+            ",".join(map(str, value.box)),
+        )
+        return "t:" + ":".join(fields_)
     if isinstance(value, np.uintp):
         return f"p:{names.get(int(value), '0')}" if int(value) else "p:0"
     if isinstance(value, np.floating):
@@ -139,6 +152,60 @@ class EmulatedBackward:
 def marker_addresses(buffers: type) -> dict[str, int]:
     """A marker address for every field of a buffers dataclass (none is a real address)."""
     return {f.name: (0xF1A5 << 48) + i for i, f in enumerate(fields(buffers))}
+
+
+@dataclass(frozen=True)
+class EmulatedForward:
+    """One emulated forward (with its LSE): the inputs (float32 values of the rounded ones),
+    the output (float32 values) and the LSE."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    alibi_slopes: np.ndarray
+    sinks: np.ndarray
+    out: np.ndarray
+    lse: np.ndarray
+
+
+def emulate_forward(plan: KernelPlan, seed: int = 0) -> EmulatedForward:
+    """A forward plan's launches (with LSE) on seeded inputs, the outputs poisoned (NaN)."""
+    problem = plan.problem
+    rng = np.random.default_rng(seed)
+    stored, (q, k, v) = precision.random_inputs(problem, rng)
+    slopes = alibi_slopes(problem.heads).astype(np.float32)
+    sinks = rng.standard_normal(problem.heads).astype(np.float32)
+    storage = precision.storage_type(problem.dtype)
+    nan = precision.NAN_PATTERN[problem.dtype]
+    # null where the problem has no ALiBi or sinks, as the GPU backend passes them (the split
+    # merge adds a sink wherever its pointer is set)
+    addresses = marker_addresses(DeviceBuffers)
+    buffers: dict[str, np.ndarray | int] = {
+        "q": stored[0], "k": stored[1], "v": stored[2],
+        "out": np.full(q.size, nan, dtype=storage),
+        "lse": np.full(problem.batch_heads * problem.seq_len, np.nan, dtype=np.float32),
+    }  # fmt: skip
+    scratch = plan.kernel_family.buffer_elements(plan)
+    if scratch.partial_o:
+        buffers["partial_o"] = np.full(scratch.partial_o, np.nan, dtype=np.float32)
+        buffers["partial_ml"] = np.full(scratch.partial_ml, np.nan, dtype=np.float32)
+    for name, values, used in (
+        ("alibi_slopes", slopes, problem.alibi),
+        ("sinks", sinks, problem.sinks),
+    ):
+        if used:
+            buffers[name] = values
+    addresses = {name: address if name in buffers else 0 for name, address in addresses.items()}
+    done = run(
+        build(f"{plan.family}_main.cpp", plan.compile_defines()),
+        buffers,
+        plan.kernel_family.launches(plan, DeviceBuffers(**addresses)),
+        {name: address for name, address in addresses.items() if address},
+    )
+    out = np.frombuffer(done["out"], dtype=storage)
+    lse = np.frombuffer(done["lse"], dtype=np.float32)
+    out = precision.from_storage(out, problem.dtype).reshape(q.shape)
+    return EmulatedForward(q, k, v, slopes, sinks, out, lse)
 
 
 def emulate_backward(forward: KernelPlan, backward: KernelPlan, seed: int = 0) -> EmulatedBackward:

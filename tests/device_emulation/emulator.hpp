@@ -41,6 +41,7 @@
 #define __shared__
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
+#define __grid_constant__
 
 using std::max;
 using std::min;
@@ -55,6 +56,20 @@ inline thread_local Dim3 thread_index;
 inline thread_local Dim3 block_index;
 inline Dim3 grid_dim;
 inline Dim3 block_dim;
+// Counts the blocks run, so per-block state kept outside shared memory (mbarriers, named
+// barriers: include/fa/hopper.cuh) knows when a new block starts.
+inline std::atomic<unsigned> block_serial{0};
+
+// What a CUtensorMap carries here (in its 128 opaque bytes): the global tensor (base, dims
+// innermost first, byte strides of the outer dims), the box and the swizzle span.
+struct TensorMapInfo {
+    const unsigned char* base;
+    int element_bytes;
+    int swizzle_bytes;
+    uint64_t dims[3];
+    uint64_t strides[2];
+    uint32_t box[3];
+};
 
 constexpr size_t kSharedBytes = 256 * 1024;
 
@@ -144,6 +159,7 @@ inline void launch(Dim3 grid, Dim3 threads, size_t shared_bytes, Kernel kernel) 
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 std::memset(shared_raw, 0xFF, kSharedBytes);  // NaN in every float type
+                ++block_serial;
                 block.barrier = std::make_unique<std::barrier<>>(count);
                 block.warps.clear();
                 for (int w = 0; w < count / 32; ++w)

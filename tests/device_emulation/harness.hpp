@@ -2,7 +2,8 @@
 // driven from Python (tests/device_emulation/run.py) over stdin:
 //
 //   buffer NAME BYTES [FILE]    a zero-filled host buffer, or FILE's bytes
-//   launch FUNCTION GX GY GZ BX BY BZ SHARED ARG...    ARG: p:NAME (p:0 null), i:INT, f:FLOAT
+//   launch FUNCTION GX GY GZ BX BY BZ SHARED ARG...    ARG: p:NAME (p:0 null), i:INT, f:FLOAT,
+//                                                      t:... (a tensor map: tensor_map below)
 //   dump NAME FILE              the buffer's bytes to FILE
 //
 // Each entry is registered with its signature, so arguments convert to what it takes.
@@ -16,6 +17,8 @@
 #include <tuple>
 #include <utility>
 
+#include <cuda.h>
+
 #include "emulator.hpp"
 
 namespace emu {
@@ -27,10 +30,40 @@ inline void fail(const std::string& message) {
     std::exit(2);
 }
 
+// t:BUFFER:ELEMENT_BYTES:SWIZZLE:D0,D1,D2:S1,S2:B0,B1,B2 (emulate.py's TensorMap argument)
+inline CUtensorMap tensor_map(const std::string& value) {
+    std::vector<std::string> parts;
+    std::stringstream stream(value);
+    for (std::string part; std::getline(stream, part, ':');) parts.push_back(part);
+    if (parts.size() != 6) fail("a tensor map argument has six fields: " + value);
+    auto numbers = [](const std::string& text) {
+        std::vector<uint64_t> found;
+        std::stringstream list(text);
+        for (std::string n; std::getline(list, n, ',');) found.push_back(std::stoull(n));
+        return found;
+    };
+    auto found = buffers.find(parts[0]);
+    if (found == buffers.end()) fail("no buffer " + parts[0]);
+    const auto dims = numbers(parts[3]), strides = numbers(parts[4]), box = numbers(parts[5]);
+    if (dims.size() != 3 || strides.size() != 2 || box.size() != 3)
+        fail("tensor maps of three dimensions only: " + value);
+    TensorMapInfo info{found->second.data(), std::stoi(parts[1]), std::stoi(parts[2]),
+                       {dims[0], dims[1], dims[2]}, {strides[0], strides[1]},
+                       {static_cast<uint32_t>(box[0]), static_cast<uint32_t>(box[1]),
+                        static_cast<uint32_t>(box[2])}};
+    static_assert(sizeof(TensorMapInfo) <= sizeof(CUtensorMap), "fits the opaque bytes");
+    CUtensorMap map{};
+    std::memcpy(&map, &info, sizeof(info));
+    return map;
+}
+
 template <class T>
 T convert(const std::string& argument) {
     const std::string kind = argument.substr(0, 2), value = argument.substr(2);
-    if constexpr (std::is_pointer_v<T>) {
+    if constexpr (std::is_same_v<std::remove_cv_t<T>, CUtensorMap>) {
+        if (kind != "t:") fail("expected a tensor map argument, got " + argument);
+        return tensor_map(value);
+    } else if constexpr (std::is_pointer_v<T>) {
         if (kind != "p:") fail("expected a pointer argument, got " + argument);
         if (value == "0") return nullptr;
         auto found = buffers.find(value);

@@ -4,9 +4,16 @@
 // instructions the emulated kernels issue are redefined below as the PTX ISA says they act.
 // wgmma's asynchrony is not emulated: a product lands when issued, every wait is a no-op
 // (as cp.async here), and so are the fences; stmatrix, the bulk reductions and the products
-// themselves do what they do on the GPU. No mbarriers or TMA: kernels that use them do not
-// run here.
+// themselves do what they do on the GPU. The TMA copies a box when issued, completing its
+// bytes on the mbarrier at once; mbarriers (arrivals, transaction bytes, phases) and named
+// barriers block the waiting host thread, and a wait that lasts a minute is reported as a
+// deadlock. setmaxnreg does nothing (registers are not emulated).
 #pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
 
 #include <atomic>
 #include <cstdint>
@@ -26,6 +33,17 @@
 #define bulk_commit real_bulk_commit
 #define bulk_wait_read real_bulk_wait_read
 #define bulk_wait real_bulk_wait
+#define mbar_init real_mbar_init
+#define mbar_fence_init real_mbar_fence_init
+#define mbar_arrive_expect_tx real_mbar_arrive_expect_tx
+#define mbar_arrive real_mbar_arrive
+#define mbar_wait real_mbar_wait
+#define prefetch_tensor_map real_prefetch_tensor_map
+#define tma_load_3d real_tma_load_3d
+#define named_barrier_sync real_named_barrier_sync
+#define named_barrier_arrive real_named_barrier_arrive
+#define setmaxnreg_dec real_setmaxnreg_dec
+#define setmaxnreg_inc real_setmaxnreg_inc
 #include "../../../../kernels/include/fa/hopper.cuh"
 #undef fence_proxy_async_shared
 #undef wgmma_fence
@@ -37,8 +55,181 @@
 #undef bulk_commit
 #undef bulk_wait_read
 #undef bulk_wait
+#undef mbar_init
+#undef mbar_fence_init
+#undef mbar_arrive_expect_tx
+#undef mbar_arrive
+#undef mbar_wait
+#undef prefetch_tensor_map
+#undef tma_load_3d
+#undef named_barrier_sync
+#undef named_barrier_arrive
+#undef setmaxnreg_dec
+#undef setmaxnreg_inc
 
 namespace fa {
+
+// The 16-byte unit of a shared address XOR (address / 128) modulo span / 16: the 128-, 64- and
+// 32-byte swizzles as the TMA writes and wgmma reads them (atoms aligned to 8 x span bytes).
+inline uint32_t emulated_swizzle(uint32_t address, uint32_t span) {
+    return address ^ (((address >> 7) & (span / 16 - 1)) << 4);
+}
+
+// ---------------------------------------------------------------- barriers
+
+struct EmulatedMbarrier {
+    int expected = 0, pending = 0;
+    long long transaction_bytes = 0;
+    unsigned phase = 0;  // completed phases; the current one's parity is phase % 2
+};
+struct EmulatedNamedBarrier {
+    int arrived = 0;
+    unsigned generation = 0;
+};
+// Per-block barrier state, reset when a new block touches it (emu::block_serial).
+struct EmulatedBarriers {
+    std::mutex mutex;
+    std::condition_variable changed;
+    unsigned serial = ~0u;
+    std::map<uint32_t, EmulatedMbarrier> mbarriers;
+    std::map<int, EmulatedNamedBarrier> named;
+
+    std::unique_lock<std::mutex> lock() {
+        std::unique_lock<std::mutex> held(mutex);
+        if (serial != emu::block_serial) {
+            serial = emu::block_serial;
+            mbarriers.clear();
+            named.clear();
+        }
+        return held;
+    }
+    EmulatedMbarrier& mbarrier(uint32_t bar) {
+        auto found = mbarriers.find(bar);
+        if (found == mbarriers.end()) {
+            std::fprintf(stderr, "mbarrier at shared byte %u used before mbarrier.init\n", bar);
+            std::abort();
+        }
+        return found->second;
+    }
+    // Arrivals and transaction bytes both done: the phase completes and the next begins.
+    void settle(EmulatedMbarrier& b) {
+        if (b.pending < 0 || b.transaction_bytes < 0) {
+            std::fprintf(stderr, "an mbarrier got more arrivals or bytes than its phase expects\n");
+            std::abort();
+        }
+        if (b.pending == 0 && b.transaction_bytes == 0) {
+            ++b.phase;
+            b.pending = b.expected;
+            changed.notify_all();
+        }
+    }
+    template <class Done>
+    void wait(std::unique_lock<std::mutex>& held, Done done, const char* what) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!done()) {
+            if (changed.wait_until(held, deadline) == std::cv_status::timeout && !done()) {
+                std::fprintf(stderr, "%s never completed (deadlock)\n", what);
+                std::abort();
+            }
+        }
+    }
+};
+inline EmulatedBarriers emulated_barriers;
+
+inline void mbar_init(uint32_t bar, int count) {
+    auto held = emulated_barriers.lock();
+    emulated_barriers.mbarriers[bar] = EmulatedMbarrier{count, count, 0, 0};
+}
+inline void mbar_fence_init() {}
+inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    auto held = emulated_barriers.lock();
+    EmulatedMbarrier& b = emulated_barriers.mbarrier(bar);
+    b.transaction_bytes += bytes;
+    --b.pending;
+    emulated_barriers.settle(b);
+}
+inline void mbar_arrive(uint32_t bar) {
+    auto held = emulated_barriers.lock();
+    EmulatedMbarrier& b = emulated_barriers.mbarrier(bar);
+    --b.pending;
+    emulated_barriers.settle(b);
+}
+// Returns once the phase of parity `parity` has completed: the current phase's parity differs
+// (a fresh barrier's current phase is 0, so parity 1 returns at once).
+inline void mbar_wait(uint32_t bar, uint32_t parity) {
+    auto held = emulated_barriers.lock();
+    emulated_barriers.wait(
+        held, [&] { return emulated_barriers.mbarrier(bar).phase % 2 != parity; }, "an mbarrier wait");
+}
+
+// bar.sync / bar.arrive: `threads` arrivals (a thread each here) complete the barrier's phase.
+inline void named_barrier_arrive(int id, int threads) {
+    auto held = emulated_barriers.lock();
+    EmulatedNamedBarrier& n = emulated_barriers.named[id];
+    if (++n.arrived == threads) {
+        n.arrived = 0;
+        ++n.generation;
+        emulated_barriers.changed.notify_all();
+    }
+}
+inline void named_barrier_sync(int id, int threads) {
+    auto held = emulated_barriers.lock();
+    EmulatedNamedBarrier& n = emulated_barriers.named[id];
+    const unsigned generation = n.generation;
+    if (++n.arrived == threads) {
+        n.arrived = 0;
+        ++n.generation;
+        emulated_barriers.changed.notify_all();
+        return;
+    }
+    emulated_barriers.wait(
+        held, [&] { return emulated_barriers.named[id].generation != generation; },
+        "a named barrier");
+}
+
+template <int N>
+inline void setmaxnreg_dec() {}
+template <int N>
+inline void setmaxnreg_inc() {}
+
+// ---------------------------------------------------------------- TMA
+
+inline void prefetch_tensor_map(const CUtensorMap*) {}
+// The box at (c0, c1, c2) of the map's tensor (zeros outside it) into shared memory at `dst`:
+// box row r at dst + r x (the box's inner bytes), swizzled, then its bytes complete on `bar`.
+inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                        uint32_t bar) {
+    emu::TensorMapInfo info;
+    std::memcpy(&info, map, sizeof(info));
+    const uint32_t pitch = info.box[0] * info.element_bytes;
+    const uint32_t bytes = pitch * info.box[1] * info.box[2];
+    if (dst % 128 || dst + bytes > emu::kSharedBytes || info.box[2] != 1 ||
+        pitch != static_cast<uint32_t>(info.swizzle_bytes)) {
+        std::fprintf(stderr, "TMA box of %u bytes to %u: misaligned, out of range, or not one "
+                             "swizzle row wide\n", bytes, dst);
+        std::abort();
+    }
+    for (uint32_t r = 0; r < info.box[1]; ++r)
+        for (uint32_t e = 0; e < info.box[0]; ++e) {
+            const uint64_t x = static_cast<uint64_t>(c0) + e, y = static_cast<uint64_t>(c1) + r;
+            const bool inside = c0 >= 0 && c1 >= 0 && c2 >= 0 && x < info.dims[0] &&
+                                y < info.dims[1] && static_cast<uint64_t>(c2) < info.dims[2];
+            unsigned char* to = shared_raw + emulated_swizzle(dst + r * pitch + e * info.element_bytes,
+                                                              info.swizzle_bytes);
+            if (inside)
+                std::memcpy(to, info.base + c2 * info.strides[1] + y * info.strides[0] +
+                                    x * info.element_bytes,
+                            info.element_bytes);
+            else
+                std::memset(to, 0, info.element_bytes);
+        }
+    auto held = emulated_barriers.lock();
+    EmulatedMbarrier& b = emulated_barriers.mbarrier(bar);
+    b.transaction_bytes -= bytes;
+    emulated_barriers.settle(b);
+}
+
+// ---------------------------------------------------------------- fences, wgmma's groups
 
 inline void fence_proxy_async_shared() {}
 inline void wgmma_fence() {}

@@ -26,6 +26,7 @@ inline uint32_t smem_addr(const void* p) {
 
 template <typename T>
 inline void opaque(const T*&) {}
+inline void opaque(int&) {}
 
 // ---------------------------------------------------------------- cp.async: copies land at once
 
@@ -42,7 +43,24 @@ inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
 
-// ---------------------------------------------------------------- shared stores
+// ---------------------------------------------------------------- shared stores and loads
+
+inline void check_shared(uint32_t addr, uint32_t bytes, const char* what) {
+    if (addr % bytes || addr + bytes > emu::kSharedBytes) {
+        std::fprintf(stderr, "%s at shared byte %u: misaligned or out of range\n", what, addr);
+        std::abort();
+    }
+}
+inline void st_shared_u32(uint32_t addr, uint32_t value) {
+    check_shared(addr, 4, "st.shared.u32");
+    std::memcpy(shared_raw + addr, &value, 4);
+}
+inline uint4 ld_shared_v4(uint32_t addr) {
+    check_shared(addr, 16, "ld.shared.v4.u32");
+    uint4 value;
+    std::memcpy(&value, shared_raw + addr, 16);
+    return value;
+}
 
 inline void st_shared_v4_f32(uint32_t addr, float a, float b, float c, float d) {
     if (addr % 16 || addr + 16 > emu::kSharedBytes) {

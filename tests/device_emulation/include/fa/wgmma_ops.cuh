@@ -34,9 +34,7 @@ struct EmulatedDescriptor {
         }
         span = mode == 1 ? 128 : mode == 2 ? 64 : 32;
     }
-    uint32_t swizzled(uint32_t address) const {
-        return address ^ (((address >> 7) & (span / 16 - 1)) << 4);
-    }
+    uint32_t swizzled(uint32_t address) const { return emulated_swizzle(address, span); }
     uint32_t k_major(int row, int k) const {
         return swizzled(start + (row / 8) * stride + (row % 8) * span + 2 * k);
     }
