@@ -1,14 +1,16 @@
 // The CUDA execution model on host threads, so the project's kernel sources run unchanged on
 // a machine without a GPU (tests/test_device_emulation.py): one std::thread per CUDA thread
 // of a block, blocks one after another in launch order (x fastest), warp-synchronous
-// instructions (ldmatrix, mma.sync, stmatrix, shuffles, and a warp's share of wgmma) as exchanges
-// between a warp's 32 threads at a barrier, __syncthreads as a block barrier. Shared memory is one buffer, filled with NaN
-// bytes before every block (a read of an unwritten byte shows). The emulated PTX wrappers are
-// include/fa/ptx.cuh beside this file, which shadows the real one on the include path.
+// instructions (ldmatrix, mma.sync, stmatrix, shuffles, and a warp's share of wgmma) as
+// exchanges between a warp's 32 threads at a barrier, __syncthreads as a block barrier.
+// Shared memory is one buffer, filled with NaN bytes before every block (a read of an
+// unwritten byte shows). The emulated PTX wrappers are include/fa/ptx.cuh, hopper.cuh and
+// wgmma_ops.cuh beside this file, which shadow the real ones on the include path.
 //
 // What it checks: every index, fragment layout, mask and barrier of a kernel, at the PTX
 // ISA's semantics of the instructions it uses. What it does not: timing, bank conflicts,
-// the asynchrony of cp.async (copies land when issued) and races between blocks.
+// the asynchrony of cp.async, the TMA and wgmma (copies and products land when issued) and
+// races between blocks.
 #pragma once
 
 #include <cuda_bf16.h>
