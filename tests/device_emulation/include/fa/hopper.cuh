@@ -1,25 +1,27 @@
 // kernels/include/fa/hopper.cuh emulated on host threads (../../emulator.hpp). The real header
 // is included with its instructions renamed away, so its arithmetic (the shared-memory matrix
 // descriptors, their steps, the swizzled offsets) is what the emulated kernels use; the
-// instructions the emulated kernels issue are redefined below as the PTX ISA says they act.
-// wgmma's asynchrony is not emulated: a product lands when issued, every wait is a no-op
-// (as cp.async here), and so are the fences; stmatrix, the bulk reductions and the products
-// themselves do what they do on the GPU. The TMA copies a box when issued, completing its
-// bytes on the mbarrier at once; mbarriers (arrivals, transaction bytes, phases) and named
-// barriers block the waiting host thread, and a wait that lasts a minute is reported as a
-// deadlock. setmaxnreg does nothing (registers are not emulated).
+// instructions the emulated kernels issue are redefined below as the PTX ISA says they act,
+// their asynchrony at its latest:
+//   * a TMA copy completes its bytes on its mbarrier when issued and lands at the first wait
+//     on the phase it completes;
+//   * wgmma's products run at the wait that retires their group (wgmma_ops.cuh);
+//   * mbarriers (arrivals, transaction bytes, phases) and named barriers block the waiting
+//     host thread, and a wait that lasts a minute is reported as a deadlock;
+//   * stmatrix and the bulk reductions act when issued; the fences and setmaxnreg do nothing
+//     (proxies and registers are not emulated).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <map>
-#include <mutex>
-
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include "fa/ptx.cuh"
 
@@ -77,10 +79,20 @@ inline uint32_t emulated_swizzle(uint32_t address, uint32_t span) {
 
 // ---------------------------------------------------------------- barriers
 
+// A TMA copy issued on an mbarrier: it lands when the phase it completes is first waited on.
+struct EmulatedCopy {
+    uint32_t dst;
+    emu::TensorMapInfo map;
+    int c0, c1, c2;
+    unsigned phase;  // the barrier phase whose bytes it carries
+};
+void land_copy(const EmulatedCopy& copy);
+
 struct EmulatedMbarrier {
     int expected = 0, pending = 0;
     long long transaction_bytes = 0;
     unsigned phase = 0;  // completed phases; the current one's parity is phase % 2
+    std::vector<EmulatedCopy> copies;  // issued, not yet landed
 };
 struct EmulatedNamedBarrier {
     int arrived = 0;
@@ -138,7 +150,7 @@ inline EmulatedBarriers emulated_barriers;
 
 inline void mbar_init(uint32_t bar, int count) {
     auto held = emulated_barriers.lock();
-    emulated_barriers.mbarriers[bar] = EmulatedMbarrier{count, count, 0, 0};
+    emulated_barriers.mbarriers[bar] = EmulatedMbarrier{count, count, 0, 0, {}};
 }
 inline void mbar_fence_init() {}
 inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -156,10 +168,21 @@ inline void mbar_arrive(uint32_t bar) {
 }
 // Returns once the phase of parity `parity` has completed: the current phase's parity differs
 // (a fresh barrier's current phase is 0, so parity 1 returns at once).
+// The TMA copies of the completed phases land now (the latest the PTX ISA allows): a thread
+// that reads a box before waiting on its barrier reads what was there before.
 inline void mbar_wait(uint32_t bar, uint32_t parity) {
     auto held = emulated_barriers.lock();
     emulated_barriers.wait(
         held, [&] { return emulated_barriers.mbarrier(bar).phase % 2 != parity; }, "an mbarrier wait");
+    EmulatedMbarrier& b = emulated_barriers.mbarrier(bar);
+    std::vector<EmulatedCopy> later;
+    for (const EmulatedCopy& copy : b.copies) {
+        if (copy.phase < b.phase)
+            land_copy(copy);
+        else
+            later.push_back(copy);
+    }
+    b.copies = std::move(later);
 }
 
 // bar.sync / bar.arrive: `threads` arrivals (a thread each here) complete the barrier's phase.
@@ -196,7 +219,28 @@ inline void setmaxnreg_inc() {}
 
 inline void prefetch_tensor_map(const CUtensorMap*) {}
 // The box at (c0, c1, c2) of the map's tensor (zeros outside it) into shared memory at `dst`:
-// box row r at dst + r x (the box's inner bytes), swizzled, then its bytes complete on `bar`.
+// box row r at dst + r x (the box's inner bytes), swizzled.
+inline void land_copy(const EmulatedCopy& copy) {
+    const emu::TensorMapInfo& info = copy.map;
+    const uint32_t pitch = info.box[0] * info.element_bytes;
+    for (uint32_t r = 0; r < info.box[1]; ++r)
+        for (uint32_t e = 0; e < info.box[0]; ++e) {
+            const uint64_t x = static_cast<uint64_t>(copy.c0) + e;
+            const uint64_t y = static_cast<uint64_t>(copy.c1) + r;
+            const bool inside = copy.c0 >= 0 && copy.c1 >= 0 && copy.c2 >= 0 && x < info.dims[0] &&
+                                y < info.dims[1] && static_cast<uint64_t>(copy.c2) < info.dims[2];
+            unsigned char* to = shared_raw + emulated_swizzle(copy.dst + r * pitch + e * info.element_bytes,
+                                                              info.swizzle_bytes);
+            if (inside)
+                std::memcpy(to, info.base + copy.c2 * info.strides[1] + y * info.strides[0] +
+                                    x * info.element_bytes,
+                            info.element_bytes);
+            else
+                std::memset(to, 0, info.element_bytes);
+        }
+}
+// Issues the copy: its bytes complete on `bar` now (so the phase completes as on the GPU), its
+// data lands at the first wait on that phase (mbar_wait).
 inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
                         uint32_t bar) {
     emu::TensorMapInfo info;
@@ -209,22 +253,9 @@ inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, in
                              "swizzle row wide\n", bytes, dst);
         std::abort();
     }
-    for (uint32_t r = 0; r < info.box[1]; ++r)
-        for (uint32_t e = 0; e < info.box[0]; ++e) {
-            const uint64_t x = static_cast<uint64_t>(c0) + e, y = static_cast<uint64_t>(c1) + r;
-            const bool inside = c0 >= 0 && c1 >= 0 && c2 >= 0 && x < info.dims[0] &&
-                                y < info.dims[1] && static_cast<uint64_t>(c2) < info.dims[2];
-            unsigned char* to = shared_raw + emulated_swizzle(dst + r * pitch + e * info.element_bytes,
-                                                              info.swizzle_bytes);
-            if (inside)
-                std::memcpy(to, info.base + c2 * info.strides[1] + y * info.strides[0] +
-                                    x * info.element_bytes,
-                            info.element_bytes);
-            else
-                std::memset(to, 0, info.element_bytes);
-        }
     auto held = emulated_barriers.lock();
     EmulatedMbarrier& b = emulated_barriers.mbarrier(bar);
+    b.copies.push_back({dst, info, c0, c1, c2, b.phase});
     b.transaction_bytes -= bytes;
     emulated_barriers.settle(b);
 }
@@ -233,9 +264,9 @@ inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, in
 
 inline void fence_proxy_async_shared() {}
 inline void wgmma_fence() {}
-inline void wgmma_commit() {}
+inline void wgmma_commit();  // wgmma_ops.cuh: the products' queue
 template <int N>
-inline void wgmma_wait() {}
+inline void wgmma_wait();
 template <int N>
 inline void fence_registers(float*) {}
 

@@ -9,12 +9,20 @@
 // then swizzled as an address: its 16-byte unit XOR (address / 128) modulo S / 16. A from
 // registers (rs) is each warp's m16n8k16 A fragment of its 16 rows (exchanged across the
 // warp). A thread's accumulator register i: row 16 warp + lane / 4 + 8 ((i % 4) / 2), column
-// 8 (i / 4) + 2 (lane % 4) + i % 2. The product lands when issued (see hopper.cuh).
+// 8 (i / 4) + 2 (lane % 4) + i % 2.
+//
+// Asynchrony as the PTX ISA allows it at its latest: a product is queued when issued, its
+// group closed by wgmma.commit_group, and the products of a group run (reading shared memory,
+// the A registers and the accumulators then, and writing the accumulators) only at the
+// wgmma.wait_group that retires it. A kernel that reads an accumulator, or writes an operand
+// (registers or shared memory), before the wait that retires its product sees it here.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
+#include <vector>
 
 #include "fa/hopper.cuh"
 
@@ -56,16 +64,28 @@ inline float shared_element(uint32_t address) {
     return static_cast<float>(value);
 }
 
+// A product waiting for the wait that retires its group.
+struct QueuedProduct {
+    void (*run)(float*, const uint32_t*, uint64_t, uint64_t, bool, int);
+    float* d;
+    const uint32_t* a;
+    uint64_t desc_a, desc_b;
+    bool b_mn_major;
+    int scale_d;
+};
+inline thread_local std::vector<QueuedProduct> open_products;                // not yet committed
+inline thread_local std::deque<std::vector<QueuedProduct>> committed_groups;  // oldest first
+
 template <int N, typename Elem>
 struct Wgmma {
     static void ss(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-        product(d, nullptr, desc_a, desc_b, false, scale_d);
+        open_products.push_back({&product, d, nullptr, desc_a, desc_b, false, scale_d});
     }
     static void ss_bt(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-        product(d, nullptr, desc_a, desc_b, true, scale_d);
+        open_products.push_back({&product, d, nullptr, desc_a, desc_b, true, scale_d});
     }
     static void rs(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {
-        product(d, a, 0, desc_b, true, scale_d);
+        open_products.push_back({&product, d, a, 0, desc_b, true, scale_d});
     }
 
    private:
@@ -104,5 +124,21 @@ struct Wgmma {
         }
     }
 };
+
+// wgmma.commit_group closes the open products into a group; wgmma.wait_group N runs the
+// oldest groups until at most N remain (the whole warpgroup retires the same groups in the
+// same order, so a warp's register exchanges stay collective).
+inline void wgmma_commit() {
+    committed_groups.push_back(std::move(open_products));
+    open_products.clear();
+}
+template <int N>
+inline void wgmma_wait() {
+    while (committed_groups.size() > static_cast<size_t>(N)) {
+        for (const QueuedProduct& p : committed_groups.front())
+            p.run(p.d, p.a, p.desc_a, p.desc_b, p.b_mn_major, p.scale_d);
+        committed_groups.pop_front();
+    }
+}
 
 }  // namespace fa
