@@ -4,9 +4,10 @@
 // swizzled descriptors, in the layout FlashAttention-3's backward uses.
 //
 // Four launches, as mma_f16_bwd (the same preprocess and postprocesses, backward.cuh):
-//   wgmma_f16_bwd_preprocess  D = rowsum(dO * O), LSE to log2, dQ accumulators (and counters) zeroed
+//   wgmma_f16_bwd_preprocess  D = rowsum(dO * O), LSE to log2, the tiled dQ accumulator (and
+//                             the counters) zeroed
 //   wgmma_f16_bwd_attention   per key tile: dK, dV in registers, dQ added to float32
-//   wgmma_f16_bwd_dq          dQ = scale * accumulator, cast
+//   wgmma_f16_bwd_dq          dQ = scale * accumulator, cast (backward_dq_tiled)
 //   wgmma_f16_bwd_dkv         (group_split > 1) the dK/dV partials of the group's shares summed
 // and wgmma_f16_bwd_sinks for the sinks' gradient.
 //
@@ -18,7 +19,8 @@
 // (keys 64 w .. 64 w + 63 of the tile):
 //   S^T  = K_w Q^T      wgmma m64n{BLOCK_M}k16 x HEAD_DIM/16, A = K rows, B = Q (both K-major)
 //   dP^T = V_w dO^T     the same with V and dO
-//   P^T, dS^T           elementwise in registers (fa::transposed_gradients)
+//   P^T, dS^T           elementwise in registers (fa::transposed_probabilities, then
+//                       fa::transposed_score_gradients)
 //   dV  += P^T dO       wgmma m64n{HEAD_DIM}k16 x BLOCK_M/16, A = P^T from registers (the
 //                       accumulator layout is the register-A layout, as P in the forward),
 //                       B = dO MN-major (head_dim contiguous: imm-trans-b = 1)
@@ -42,8 +44,15 @@
 //   dS:             BLOCK_M x BLOCK_N (chunk w: warpgroup w's keys)
 //   lse_log2, D [stage]: BLOCK_M floats each
 //   dQ staging:     per warp 16 rows x DQ_N floats
+// In time, per warpgroup: S^T and dP^T are issued as two groups; P^T is computed while dP^T
+// is still in the tensor cores, dV's product runs while dS^T is computed and stored, and
+// dK's while dQ goes out; the iteration waits for dK before the next one's barrier hands
+// its Q tile back to the loads.
+//
 // Entry contract: mma_f16_bwd_attention's (arguments, buffers, grid (key tiles, group
-// shares, batch * kv_heads)); block 256 threads; dynamic shared bytes = SMEM_BYTES.
+// shares, batch * kv_heads)), except that dq_accum is the tiled accumulator
+// ([batch * heads][query block][warpgroup][warp][chunk][lane][4] floats, rows padded to whole
+// blocks); block 256 threads; dynamic shared bytes = SMEM_BYTES.
 
 #include "fa/backward.cuh"
 #include "fa/fragment.cuh"
