@@ -2,8 +2,9 @@
 (``tests/device_emulation``): every index, fragment layout (ldmatrix, mma.sync, and for the
 Hopper kernels wgmma's swizzled descriptors, the TMA, mbarriers, named barriers, stmatrix and
 bulk reductions, at the PTX ISA's semantics), mask and barrier of the forward's LSE, of the
-Hopper forward (its warp specialisation, overlap, ping-pong, persistent queue, split-KV merge)
-and of both backward families, checked
+Hopper forward (its warp specialisation, overlap, ping-pong, persistent queue, split-KV merge),
+of the decode kernel (GQA rows packed per KV head, split-KV) and of both backward families,
+checked
 against float64 with the GPU backend's own rule, on a machine without a GPU. Needs g++ and
 the CUDA headers; each case builds the plan's kernel once (cached) and runs in seconds.
 """
@@ -220,5 +221,35 @@ def test_emulated_wgmma_forward_matches_float64(
         run.alibi_slopes if problem.alibi else None,
         run.sinks if problem.sinks else None,
     )
+    checked = reference.check_forward(run.out, run.lse, precision.FALLBACK_TOLERANCE[problem.dtype])
+    assert checked.ok, checked.detail
+
+
+# ---------------------------------------------------------------------------- decode
+
+#: decode_f16 plans: a KV head's query rows packed into one m16 tile, its cache split
+DECODE_CASES = [
+    # GQA decode (4 query heads a KV head), bf16, a cache that ends mid-tile, 3 splits
+    (Problem(1, 128, batch=2, heads=8, kv_heads=2, kv_len=300, dtype="bfloat16"), {"splits": 3}),
+    # a few query rows (speculative decoding), causal, float16, sinks, two m tiles
+    (
+        Problem(3, 64, heads=8, kv_heads=1, kv_len=200, causal=True, sinks=True, dtype="float16"),
+        {"splits": 2, "m_tiles": 2, "block_n": 32, "warps": 2},
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(
+    ("problem", "params"), DECODE_CASES, ids=[p.label() for p, _ in DECODE_CASES]
+)
+def test_emulated_decode_matches_float64(problem: Problem, params: dict[str, int]) -> None:
+    plan = plan_kernel(problem, KernelParams("decode_f16", **params), H200)
+    assert plan.feasible, plan.reason
+    assert plan.sequence_splits == params["splits"]
+    run = emulate.emulate_forward(plan)
+    reference = BackwardReference.compute(
+        problem, run.q, run.k, run.v, np.zeros(run.q.shape, dtype=np.float32), None,
+        run.sinks if problem.sinks else None,
+    )  # fmt: skip
     checked = reference.check_forward(run.out, run.lse, precision.FALLBACK_TOLERANCE[problem.dtype])
     assert checked.ok, checked.detail
