@@ -4,8 +4,7 @@ Hopper kernels wgmma's swizzled descriptors, the TMA, mbarriers, named barriers,
 bulk reductions, at the PTX ISA's semantics), mask and barrier of the forward's LSE, of the
 Hopper forward (its warp specialisation, overlap, ping-pong, persistent queue, split-KV merge),
 of the decode kernel (GQA rows packed per KV head, split-KV) and of both backward families,
-checked
-against float64 with the GPU backend's own rule, on a machine without a GPU. Needs g++ and
+checked against float64 with the GPU backend's own rule, on a machine without a GPU. Needs g++ and
 the CUDA headers; each case builds the plan's kernel once (cached) and runs in seconds.
 """
 
