@@ -168,21 +168,19 @@ class EmulatedForward:
     lse: np.ndarray
 
 
-def emulate_forward(plan: KernelPlan, seed: int = 0) -> EmulatedForward:
-    """A forward plan's launches (with LSE) on seeded inputs, the outputs poisoned (NaN)."""
+def _run_forward(
+    plan: KernelPlan, stored: Sequence[np.ndarray], slopes: np.ndarray, sinks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """A forward plan's launches on the stored q, k, v, the outputs poisoned (NaN) first:
+    (the output in its storage type, the LSE). The ALiBi and sinks pointers are null where
+    the problem has none, as the GPU backend passes them (the split merge adds a sink
+    wherever its pointer is set)."""
     problem = plan.problem
-    rng = np.random.default_rng(seed)
-    stored, (q, k, v) = precision.random_inputs(problem, rng)
-    slopes = alibi_slopes(problem.heads).astype(np.float32)
-    sinks = rng.standard_normal(problem.heads).astype(np.float32)
     storage = precision.storage_type(problem.dtype)
     nan = precision.NAN_PATTERN[problem.dtype]
-    # null where the problem has no ALiBi or sinks, as the GPU backend passes them (the split
-    # merge adds a sink wherever its pointer is set)
-    addresses = marker_addresses(DeviceBuffers)
     buffers: dict[str, np.ndarray | int] = {
         "q": stored[0], "k": stored[1], "v": stored[2],
-        "out": np.full(q.size, nan, dtype=storage),
+        "out": np.full(stored[0].size, nan, dtype=storage),
         "lse": np.full(problem.batch_heads * problem.seq_len, np.nan, dtype=np.float32),
     }  # fmt: skip
     scratch = plan.kernel_family.buffer_elements(plan)
@@ -195,16 +193,28 @@ def emulate_forward(plan: KernelPlan, seed: int = 0) -> EmulatedForward:
     ):
         if used:
             buffers[name] = values
-    addresses = {name: address if name in buffers else 0 for name, address in addresses.items()}
+    addresses = {
+        name: address if name in buffers else 0
+        for name, address in marker_addresses(DeviceBuffers).items()
+    }
     done = run(
         build(f"{plan.family}_main.cpp", plan.compile_defines()),
         buffers,
         plan.kernel_family.launches(plan, DeviceBuffers(**addresses)),
         {name: address for name, address in addresses.items() if address},
     )
-    out = np.frombuffer(done["out"], dtype=storage)
-    lse = np.frombuffer(done["lse"], dtype=np.float32)
-    out = precision.from_storage(out, problem.dtype).reshape(q.shape)
+    return np.frombuffer(done["out"], dtype=storage), np.frombuffer(done["lse"], dtype=np.float32)
+
+
+def emulate_forward(plan: KernelPlan, seed: int = 0) -> EmulatedForward:
+    """A forward plan's launches (with LSE) on seeded inputs."""
+    problem = plan.problem
+    rng = np.random.default_rng(seed)
+    stored, (q, k, v) = precision.random_inputs(problem, rng)
+    slopes = alibi_slopes(problem.heads).astype(np.float32)
+    sinks = rng.standard_normal(problem.heads).astype(np.float32)
+    out_stored, lse = _run_forward(plan, stored, slopes, sinks)
+    out = precision.from_storage(out_stored, problem.dtype).reshape(q.shape)
     return EmulatedForward(q, k, v, slopes, sinks, out, lse)
 
 
@@ -220,24 +230,7 @@ def emulate_backward(forward: KernelPlan, backward: KernelPlan, seed: int = 0) -
     sinks = rng.standard_normal(problem.heads).astype(np.float32)
     storage = precision.storage_type(problem.dtype)
     nan = precision.NAN_PATTERN[problem.dtype]
-
-    addresses = marker_addresses(DeviceBuffers)
-    scratch = forward.kernel_family.buffer_elements(forward)
-    done = run(
-        build(f"{forward.family}_main.cpp", forward.compile_defines()),
-        {
-            "q": stored[0], "k": stored[1], "v": stored[2],
-            "out": np.full(q.size, nan, dtype=storage),
-            "partial_o": np.full(scratch.partial_o, np.nan, dtype=np.float32),
-            "partial_ml": np.full(scratch.partial_ml, np.nan, dtype=np.float32),
-            "lse": np.full(problem.batch_heads * problem.seq_len, np.nan, dtype=np.float32),
-            "alibi_slopes": slopes, "sinks": sinks,
-        },
-        forward.kernel_family.launches(forward, DeviceBuffers(**addresses)),
-        addresses,
-    )  # fmt: skip
-    out_stored = np.frombuffer(done["out"], dtype=storage)
-    lse = np.frombuffer(done["lse"], dtype=np.float32)
+    out_stored, lse = _run_forward(forward, stored, slopes, sinks)
 
     addresses = marker_addresses(BackwardBuffers)
     family = backward.kernel_family

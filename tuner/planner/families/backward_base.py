@@ -5,18 +5,19 @@ A backward run reads q, k, v, the forward's output and log-sum-exps and dO, and 
 dk, dv (``BackwardBuffers``); its scratch is the float32 rows of the preprocess (``lse_log2``,
 ``delta``, padded to whole query blocks), the float32 dQ accumulator, the deterministic
 mode's counters and the float32 dK/dV partials of a split group (``BackwardScratch``). The
-launches: the preprocess, the family's main kernel, the dQ cast, the dK/dV sum (with split
-groups) and the sinks' gradient (with sinks). Pure: stdlib, numpy scalars, the planner.
+launches: the preprocess, the family's main kernel (one entry contract: ``main_arguments``),
+the dQ cast, the dK/dV sum (with split groups) and the sinks' gradient (with sinks); the
+bytes they move (``traffic``). Pure: stdlib, numpy scalars, the planner.
 """
 
 from __future__ import annotations
 
 import math
-from abc import abstractmethod
 from typing import ClassVar
 
 import numpy as np
 
+from tuner.planner.backward_span import visited_blocks_per_kv_head
 from tuner.planner.families.base import KernelFamily
 from tuner.planner.fixed_width import div_ceil
 from tuner.planner.launches import (
@@ -26,8 +27,10 @@ from tuner.planner.launches import (
     DeviceBuffers,
     KernelArgument,
     KernelLaunch,
+    scale_log2,
 )
 from tuner.planner.plan import KernelPlan
+from tuner.problem import Problem
 
 F32_BYTES = 4
 #: threads of the preprocess (a warp per row) and of the elementwise postprocesses
@@ -55,11 +58,67 @@ class BackwardFamily(KernelFamily):
     dkv_function: ClassVar[str]
     sinks_function: ClassVar[str]
 
-    @abstractmethod
     def main_arguments(
         self, plan: KernelPlan, buffers: BackwardBuffers
     ) -> tuple[KernelArgument, ...]:
-        """The main kernel's arguments."""
+        """The main kernel's arguments, the entry contract every backward family keeps
+        (``kernels/mma_f16_bwd.cu``'s ``mma_f16_bwd_attention``): q, k, v, dO, lse_log2, D,
+        the dQ accumulator, dk, dv, the dK/dV partials (null without a group split), the
+        counters (null outside the deterministic mode), seq_len, kv_len, group, scale_log2,
+        heads, the window, the softcap and the ALiBi slopes."""
+        p = plan.problem
+        return (
+            np.uintp(buffers.q),
+            np.uintp(buffers.k),
+            np.uintp(buffers.v),
+            np.uintp(buffers.dout),
+            np.uintp(buffers.lse_log2),
+            np.uintp(buffers.delta),
+            np.uintp(buffers.dq_accum),
+            np.uintp(buffers.dk),
+            np.uintp(buffers.dv),
+            np.uintp(buffers.dkv_partial if self.group_split(plan) > 1 else 0),
+            np.uintp(buffers.counters if self.deterministic(plan) else 0),
+            np.int32(p.seq_len),
+            np.int32(p.kv_len),
+            np.int32(p.group),
+            np.float32(scale_log2(p.head_dim)),
+            np.int32(p.heads),
+            np.int32(p.window_left),
+            np.int32(p.window_right),
+            np.float32(p.softcap),
+            np.uintp(buffers.alibi_slopes),
+        )
+
+    @staticmethod
+    def traffic(
+        problem: Problem, block_m: int, block_n: int, group_split: int, accumulator_floats: int
+    ) -> tuple[int, int]:
+        """(read, written) bytes of the launches, as requested (L2 serves repeats): the
+        preprocess reads O, dO and the LSE and writes the padded rows and the zeroed dQ
+        accumulator (``accumulator_floats``: ``dq_accumulator_elements``); each main block
+        reads its K/V tile once and, per step, a Q and dO tile and their rows, adding a block
+        of dQ (an atomic or bulk reduction reads and writes in L2); the casts; the dK/dV
+        partials of a split group."""
+        p = problem
+        element, d, bh = p.element_bytes, p.head_dim, p.batch_heads
+        rows = bh * padded_rows(p.seq_len, block_m)
+        accumulator = F32_BYTES * accumulator_floats
+        steps = bh * visited_blocks_per_kv_head(p, block_m, block_n)
+        read = 2 * p.tensor_bytes + F32_BYTES * bh * p.seq_len  # preprocess
+        write = 2 * F32_BYTES * rows + accumulator
+        read += 2 * group_split * p.kv_tensor_bytes  # main: K, V tiles
+        read += steps * block_m * (2 * d * element + 2 * F32_BYTES)
+        read += steps * block_m * d * F32_BYTES  # dQ additions: read and write in L2
+        write += steps * block_m * d * F32_BYTES
+        read += accumulator  # dQ cast
+        write += p.tensor_bytes
+        if group_split > 1:
+            partial = 2 * F32_BYTES * p.batch_kv_heads * group_split * p.kv_len * d
+            write += partial
+            read += partial
+        write += 2 * p.kv_tensor_bytes
+        return read, write
 
     def block_m(self, plan: KernelPlan) -> int:
         return plan.params.block_m

@@ -18,8 +18,6 @@ shared memory (``mma_f16_bwd_shared_bytes``, the kernel's layout) within the opt
 
 from __future__ import annotations
 
-import numpy as np
-
 from tuner.device import DeviceProfile
 from tuner.planner.backward_span import key_tiles, visited_blocks_per_kv_head
 from tuner.planner.errors import PlanError
@@ -37,7 +35,6 @@ from tuner.planner.families.base import (
     variant_sfu_ops,
 )
 from tuner.planner.fixed_width import U32_MAX
-from tuner.planner.launches import BackwardBuffers, KernelArgument, scale_log2
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
 from tuner.problem import MATMULS_PER_PAIR, Problem
@@ -170,7 +167,7 @@ class MmaF16Backward(BackwardFamily):
             reason = f"scratch of {max(partial, bh * n * d)} floats overflows u32"
 
         launch = Launch(grid=(tiles, split, bkv), block=(threads, 1, 1), shared_bytes=shared)
-        read, write = self._traffic(problem, params)
+        read, write = self.traffic(problem, block_m, block_n, split, bh * n * d)
         steps = visited_blocks_per_kv_head(problem, block_m, block_n)
         non_matmul = bh * (steps * block_m * block_n * NON_MATMUL_FLOPS_PER_PAIR + 2 * n * d)
         if params.deterministic:
@@ -206,32 +203,6 @@ class MmaF16Backward(BackwardFamily):
             reason=reason,
         )
 
-    def _traffic(self, problem: Problem, params: KernelParams) -> tuple[int, int]:
-        """(read, written) bytes of the four launches, as requested (L2 serves repeats):
-        the preprocess reads O, dO and the LSE and writes the padded rows and the zeroed dQ
-        accumulator; each main block reads its K/V tile once and, per step, a Q and dO tile
-        and their rows, adding a block of dQ (an atomic reads and writes); the casts."""
-        p, block_m, block_n = problem, params.block_m, params.block_n
-        element, d, bh = p.element_bytes, p.head_dim, p.batch_heads
-        rows = bh * padded_rows(p.seq_len, block_m)
-        accumulator = F32_BYTES * bh * p.seq_len * d
-        steps = bh * visited_blocks_per_kv_head(p, block_m, block_n)
-        split = params.group_split
-        read = 2 * p.tensor_bytes + F32_BYTES * bh * p.seq_len  # preprocess
-        write = 2 * F32_BYTES * rows + accumulator
-        read += 2 * split * p.kv_tensor_bytes  # main: K, V tiles
-        read += steps * block_m * (2 * d * element + 2 * F32_BYTES)
-        read += steps * block_m * d * F32_BYTES  # dQ atomics: read and write in L2
-        write += steps * block_m * d * F32_BYTES
-        read += accumulator  # dQ cast
-        write += p.tensor_bytes
-        if split > 1:
-            partial = 2 * F32_BYTES * p.batch_kv_heads * split * p.kv_len * d
-            write += partial
-            read += partial
-        write += 2 * p.kv_tensor_bytes
-        return read, write
-
     def compile_defines(self, plan: KernelPlan) -> dict[str, int]:
         p, params = plan.problem, plan.params
         return {
@@ -253,33 +224,6 @@ class MmaF16Backward(BackwardFamily):
         return (
             f"mma_f16_bwd/m{params.block_m}/n{params.block_n}/w{params.warps}/st{params.stages}"
             f"/c{params.q_chunk}/{mode}/g{params.group_split}"
-        )
-
-    def main_arguments(
-        self, plan: KernelPlan, buffers: BackwardBuffers
-    ) -> tuple[KernelArgument, ...]:
-        p = plan.problem
-        return (
-            np.uintp(buffers.q),
-            np.uintp(buffers.k),
-            np.uintp(buffers.v),
-            np.uintp(buffers.dout),
-            np.uintp(buffers.lse_log2),
-            np.uintp(buffers.delta),
-            np.uintp(buffers.dq_accum),
-            np.uintp(buffers.dk),
-            np.uintp(buffers.dv),
-            np.uintp(buffers.dkv_partial if plan.params.group_split > 1 else 0),
-            np.uintp(buffers.counters if plan.params.deterministic else 0),
-            np.int32(p.seq_len),
-            np.int32(p.kv_len),
-            np.int32(p.group),
-            np.float32(scale_log2(p.head_dim)),
-            np.int32(p.heads),
-            np.int32(p.window_left),
-            np.int32(p.window_right),
-            np.float32(p.softcap),
-            np.uintp(buffers.alibi_slopes),
         )
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:

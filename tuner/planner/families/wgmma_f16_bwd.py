@@ -35,13 +35,12 @@ from tuner.planner.families.backward_base import (
 from tuner.planner.families.base import (
     CostTerms,
     Tunable,
-    larger_than_needed,
     launch_verdict,
     variant_defines,
     variant_sfu_ops,
 )
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.launches import BackwardBuffers, KernelArgument, KernelLaunch, scale_log2
+from tuner.planner.launches import BackwardBuffers, KernelLaunch
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch, blocks_per_sm_of, occupancy_and_waves
 from tuner.problem import MATMULS_PER_PAIR, Problem
@@ -73,6 +72,12 @@ def wgmma_f16_bwd_shared_bytes(block_m: int, head_dim: int) -> int:
     tiles = 2 * BLOCK_N * head_dim + 4 * block_m * head_dim + block_m * BLOCK_N
     staging = WARPGROUPS * 64 * (head_dim // 2)
     return ELEMENT_BYTES * tiles + F32_BYTES * (4 * block_m + staging) + ALIGNMENT_SLACK
+
+
+def tiled_accumulator_elements(problem: Problem) -> int:
+    """Floats of the tiled dQ accumulator: a block of 64 rows x head_dim per (batch-head,
+    query block), padding rows included (``backward.cuh``'s ``backward_dq_tiled``)."""
+    return problem.batch_heads * padded_rows(problem.seq_len, BLOCK_M) * problem.head_dim
 
 
 class WgmmaF16Backward(BackwardFamily):
@@ -126,8 +131,6 @@ class WgmmaF16Backward(BackwardFamily):
             )
         if not reason:
             reason = self.variant_verdict(problem) or launch_verdict(THREADS, shared, device)
-        if not reason and larger_than_needed(block_m, n, 64):
-            reason = f"block_m={block_m} is larger than needed for seq_len={n}"
         if not reason and (split > GRID_YZ_LIMIT or bkv > GRID_YZ_LIMIT):
             reason = f"{split} group shares x {bkv} batch-KV-heads exceed the grid's y/z limit"
         partial = 2 * bkv * split * problem.kv_len * d if split > 1 else 0
@@ -135,7 +138,9 @@ class WgmmaF16Backward(BackwardFamily):
             reason = f"scratch of {max(partial, bh * n * d)} floats overflows u32"
 
         launch = Launch(grid=(tiles, split, bkv), block=(THREADS, 1, 1), shared_bytes=shared)
-        read, write = self._traffic(problem, params)
+        read, write = self.traffic(
+            problem, block_m, BLOCK_N, split, tiled_accumulator_elements(problem)
+        )
         steps = visited_blocks_per_kv_head(problem, block_m, BLOCK_N)
         non_matmul = bh * (steps * block_m * BLOCK_N * NON_MATMUL_FLOPS_PER_PAIR + 2 * n * d)
         if params.deterministic:
@@ -170,31 +175,6 @@ class WgmmaF16Backward(BackwardFamily):
             reason=reason,
         )
 
-    def _traffic(self, problem: Problem, params: KernelParams) -> tuple[int, int]:
-        """(read, written) bytes of the launches, as ``mma_f16_bwd`` counts them (the same
-        preprocess, casts and per-step tiles and dQ additions), with 128-key tiles and the
-        tiled (row-padded) dQ accumulator."""
-        p, block_m = problem, params.block_m
-        element, d, bh = p.element_bytes, p.head_dim, p.batch_heads
-        rows = bh * padded_rows(p.seq_len, block_m)
-        accumulator = F32_BYTES * rows * d  # tiled: padded rows too
-        steps = bh * visited_blocks_per_kv_head(p, block_m, BLOCK_N)
-        split = params.group_split
-        read = 2 * p.tensor_bytes + F32_BYTES * bh * p.seq_len  # preprocess
-        write = 2 * F32_BYTES * rows + accumulator
-        read += 2 * split * p.kv_tensor_bytes  # main: K, V tiles
-        read += steps * block_m * (2 * d * element + 2 * F32_BYTES)
-        read += steps * block_m * d * F32_BYTES  # dQ bulk reductions: read and write in L2
-        write += steps * block_m * d * F32_BYTES
-        read += accumulator  # dQ cast
-        write += p.tensor_bytes
-        if split > 1:
-            partial = 2 * F32_BYTES * p.batch_kv_heads * split * p.kv_len * d
-            write += partial
-            read += partial
-        write += 2 * p.kv_tensor_bytes
-        return read, write
-
     def compile_defines(self, plan: KernelPlan) -> dict[str, int]:
         p, params = plan.problem, plan.params
         return {
@@ -212,10 +192,7 @@ class WgmmaF16Backward(BackwardFamily):
         return f"wgmma_f16_bwd/m{params.block_m}/{mode}/g{params.group_split}"
 
     def dq_accumulator_elements(self, plan: KernelPlan) -> int:
-        """The tiled accumulator: a block of 64 rows x head_dim per (batch-head, query block),
-        padding rows included (``backward.cuh``'s ``backward_dq_tiled``)."""
-        p = plan.problem
-        return p.batch_heads * padded_rows(p.seq_len, BLOCK_M) * p.head_dim
+        return tiled_accumulator_elements(plan.problem)
 
     def dq_launch(self, plan: KernelPlan, buffers: BackwardBuffers) -> KernelLaunch:
         """``wgmma_f16_bwd_dq(dq_accum, dq, seq_len, batch_heads, scale)``: a thread per 4
@@ -234,33 +211,6 @@ class WgmmaF16Backward(BackwardFamily):
                 np.int32(p.batch_heads),
                 np.float32(1 / math.sqrt(p.head_dim)),
             ),
-        )
-
-    def main_arguments(
-        self, plan: KernelPlan, buffers: BackwardBuffers
-    ) -> tuple[KernelArgument, ...]:
-        p = plan.problem
-        return (
-            np.uintp(buffers.q),
-            np.uintp(buffers.k),
-            np.uintp(buffers.v),
-            np.uintp(buffers.dout),
-            np.uintp(buffers.lse_log2),
-            np.uintp(buffers.delta),
-            np.uintp(buffers.dq_accum),
-            np.uintp(buffers.dk),
-            np.uintp(buffers.dv),
-            np.uintp(buffers.dkv_partial if plan.params.group_split > 1 else 0),
-            np.uintp(buffers.counters if plan.params.deterministic else 0),
-            np.int32(p.seq_len),
-            np.int32(p.kv_len),
-            np.int32(p.group),
-            np.float32(scale_log2(p.head_dim)),
-            np.int32(p.heads),
-            np.int32(p.window_left),
-            np.int32(p.window_right),
-            np.float32(p.softcap),
-            np.uintp(buffers.alibi_slopes),
         )
 
     def cost_terms(self, plan: KernelPlan) -> CostTerms:

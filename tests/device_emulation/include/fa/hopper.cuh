@@ -278,10 +278,7 @@ inline void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
     emu::exchange(mine, 5, [&](const uint32_t (*words)[12]) {
         const int lane = emu::lane_id(), matrix = lane / 8, column = lane % 8;
         const uint32_t row = words[lane][4];
-        if (row % 16 || row + 16 > emu::kSharedBytes) {
-            std::fprintf(stderr, "stmatrix row address %u is misaligned or out of range\n", row);
-            std::abort();
-        }
+        check_shared(row, 16, "a stmatrix row");
         for (int q = 0; q < 8; ++q) {
             const uint32_t word = words[4 * q + column / 2][matrix];
             const uint16_t bits = static_cast<uint16_t>(column % 2 ? word >> 16 : word & 0xFFFF);

@@ -63,21 +63,16 @@ inline uint4 ld_shared_v4(uint32_t addr) {
 }
 
 inline void st_shared_v4_f32(uint32_t addr, float a, float b, float c, float d) {
-    if (addr % 16 || addr + 16 > emu::kSharedBytes) {
-        std::fprintf(stderr, "st.shared.v4.f32 to %u: misaligned or out of range\n", addr);
-        std::abort();
-    }
+    check_shared(addr, 16, "st.shared.v4.f32");
     const float values[4] = {a, b, c, d};
     std::memcpy(shared_raw + addr, values, 16);
 }
 
 // ---------------------------------------------------------------- ldmatrix
 
+// A 16-bit element of shared memory (ldmatrix's rows, wgmma's operands).
 inline uint16_t shared_half(uint32_t address) {
-    if (address % 2 || address + 2 > emu::kSharedBytes) {
-        std::fprintf(stderr, "ldmatrix reads shared byte %u\n", address);
-        std::abort();
-    }
+    check_shared(address, 2, "a 16-bit shared read");
     uint16_t value;
     std::memcpy(&value, shared_raw + address, 2);
     return value;

@@ -55,13 +55,7 @@ struct EmulatedDescriptor {
 
 template <typename Elem>
 inline float shared_element(uint32_t address) {
-    if (address % 2 || address + 2 > emu::kSharedBytes) {
-        std::fprintf(stderr, "wgmma reads shared byte %u\n", address);
-        std::abort();
-    }
-    Elem value;
-    std::memcpy(&value, shared_raw + address, 2);
-    return static_cast<float>(value);
+    return half_value<Elem>(shared_half(address), 0);
 }
 
 // A product waiting for the wait that retires its group.
