@@ -103,6 +103,9 @@
 #ifndef PERSISTENT
 #define PERSISTENT 0  // 1: a block per SM slot walks a queue of row blocks (see WorkQueue)
 #endif
+#ifndef LATE_PACK
+#define LATE_PACK 0  // 1 (with OVERLAP): P(t) packed once P V(t-1) has landed, one P register set
+#endif
 #ifndef PRODUCER_REGISTERS
 #define PRODUCER_REGISTERS 24
 #endif
@@ -130,9 +133,11 @@
 
 static_assert(HEAD_DIM % CHUNK_COLS == 0 && HEAD_DIM <= 256,
               "head_dim of whole swizzled chunks (64 or 32 columns), up to 256");
-static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128");
+static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 64 && BLOCK_N <= 192,
+              "key tiles of whole k16 steps (P V), 64 to 192 keys");
 static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
 static_assert(!PINGPONG || (CONSUMERS == 2 && OVERLAP), "the ping-pong: two consumers, overlapped");
+static_assert(!LATE_PACK || OVERLAP, "late packing: a choice of the overlapped loop");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
 static_assert(PERSISTENT == 0 || PERSISTENT == 1, "persistent: 0 or 1");
 static_assert(SMEM_BYTES <= 232448, "227 KB of shared memory a block on sm_90");
@@ -462,7 +467,13 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             // P alternates between two register sets (the loop is unrolled by two): packing P(t)
             // into the registers P V(t-1) is still reading would make ptxas wait for that product
             // before the softmax (seen in SASS as wait_group 0 hoisted above the exp2s).
-            uint32_t p_a[BLOCK_N / 16][4], p_b[BLOCK_N / 16][4];
+            // LATE_PACK (FlashAttention-3's order) keeps S(t) in fp32 until P V(t-1) has landed and
+            // then packs P(t) into the one set: S + P + O live at the peak instead of S + 2P + O
+            // (what lets 80-key tiles at head_dim 256 and 112 at 192 run unspilled), at the cost
+            // of the packing running after the product rather than under it.
+            uint32_t p_a[BLOCK_N / 16][4];
+            uint32_t p_b_set[LATE_PACK ? 1 : BLOCK_N / 16][4];
+            auto p_b = LATE_PACK ? p_a : p_b_set;
             auto overlapped_tile = [&](int t, const uint32_t(*p_previous)[4],
                                        uint32_t(*p_next)[4]) {
                 const RingSlot slot(ring + t), previous(ring + t - 1);
@@ -481,7 +492,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                 fa::fence_registers<S_REGS>(s_acc);
                 float correction[2];
                 softmax(s_acc, tiles.begin + t * BLOCK_N, correction);
-                pack_p(s_acc, p_next);
+                if (!LATE_PACK) pack_p(s_acc, p_next);
                 // K(t)'s slot is free since S(t) landed; released after the softmax, a tile before
                 // P V(t) frees V(t)'s
                 __syncwarp();
@@ -500,6 +511,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                 fa::fence_registers<O_REGS>(o_acc);
                 __syncwarp();
                 if (lane == 0) fa::mbar_arrive(v_empty + 8 * previous.stage);
+                if (LATE_PACK) pack_p(s_acc, p_next);  // into the set P V(t-1) has done reading
                 fa::rescale_rows<O_REGS / 4>(o_acc, correction);
             };
             auto last_product = [&](const uint32_t(*p_last)[4]) {

@@ -18,7 +18,7 @@ from pathlib import Path
 HEADER = Path(__file__).resolve().parent / "include" / "fa" / "wgmma_ops.cuh"
 #: the N of the m64nNk16 shapes the families use (key tiles for S, head_dims for O, the
 #: backward's dQ shares)
-WIDTHS = (32, 64, 96, 128, 192, 256)
+WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
 #: C++ element type -> the PTX type name
 ELEMENT_TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
 

@@ -163,6 +163,13 @@ WGMMA_FORWARD_CASES = [
         {"overlap": 1, "pingpong": 1, "staged_store": 1, "stages": 3},
         None,
     ),
+    # FlashAttention-3's head_dim 128 tile: 176 keys (11 k16 steps), P packed late into one
+    # register set; 400 keys are three tiles, the last ending mid-tile
+    (
+        Problem(130, 128, heads=2, kv_len=400, dtype="bfloat16"),
+        {"block_n": 176, "overlap": 1, "pingpong": 1, "late_pack": 1},
+        None,
+    ),
     # the persistent queue (heaviest first under causal), one consumer, 64-key tiles, float16
     (
         Problem(200, 64, heads=3, causal=True, dtype="float16"),

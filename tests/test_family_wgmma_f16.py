@@ -73,7 +73,7 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
     assert FAMILY.compile_defines(p) == {
         "HEAD_DIM": 128, "CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "CAUSAL": 0,
         "IS_FP16": 0, "BLOCKS_PER_SM": 1, "OVERLAP": 0, "PINGPONG": 0, "STAGED_STORE": 0,
-            "PERSISTENT": 0,
+        "PERSISTENT": 0, "LATE_PACK": 0,
         "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240,
     }
     # every define is a macro the kernel (or its variant switches header) reads
@@ -88,7 +88,11 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
         ({}, Problem(64, 64), "dtype float32 is not one of"),
         ({}, Problem(256, 80, dtype="bfloat16"),
          "head_dim=80 is not one of (64, 96, 128, 192, 256)"),
-        ({"block_n": 96}, BF16, "block_n=96 is not one of (64, 128)"),
+        ({"block_n": 72}, BF16, "block_n=72 is not one of (64, 80, 96, 112, 128, 144, 160"),
+        # S + 2 P + O + 40 = 176 + 64 + 40: the two-set overlap spills at 176-key tiles
+        ({"block_n": 176, "overlap": 1}, BF16, "needs about 280 registers"),
+        ({"late_pack": 1}, BF16, "late_pack orders the overlapped loop's packing"),
+        ({"late_pack": 2, "overlap": 1}, BF16, "late_pack=2: 0 or 1"),
         ({"stages": 5}, BF16, "2 to 4 stages"),
         ({"consumers": 3}, BF16, "one or two consumer warpgroups"),
         ({"blocks_per_sm": 2, "consumers": 2}, BF16, "2 only with 1"),
@@ -120,15 +124,21 @@ def test_only_hopper_runs_it(registered: None) -> None:
 def test_the_register_split_is_judged(registered: None) -> None:
     # 64K registers: 24 x 128 for the producer, 240 a consumer thread (the cap)
     assert consumer_registers(2, 1, 65536) == 240 and consumer_registers(1, 2, 65536) == 232
-    assert consumer_registers_needed(128, 128) == 64 + 64 + 32 + 48
-    # the overlap keeps two P sets: 240 at head_dim 128 with 128-key tiles (ptxas: R231 the
+    assert consumer_registers_needed(128, 128) == 64 + 64 + 32 + 40
+    # the overlap keeps two P sets: 232 at head_dim 128 with 128-key tiles (ptxas: R231 the
     # highest register of that build), so it fits two consumers but not two blocks an SM
-    assert consumer_registers_needed(128, 128, overlap=True) == 240
+    assert consumer_registers_needed(128, 128, overlap=True) == 232
+    # late packing keeps one: FlashAttention-3's 176-key tiles at head_dim 128 fit 240, and
+    # its 80-key tiles at 256
+    assert consumer_registers_needed(176, 128, overlap=True, late_pack=True) == 236
+    assert consumer_registers_needed(80, 256, overlap=True, late_pack=True) == 228
+    assert plan(block_n=176, overlap=1, late_pack=1).feasible
+    assert FAMILY.key(plan(block_n=176, overlap=1, late_pack=1)).endswith("/o1/lp/s1")
     assert plan(overlap=1).feasible
     assert plan(overlap=2).reason == "overlap=2: 0 or 1"
     small = dataclasses.replace(H200, registers_per_sm=32768)
-    p = plan(device=small)  # (256 - 24) / 2 = 116, 112 in steps of 8; 208 needed
-    assert not p.feasible and "needs about 208 registers; setmaxnreg can give 112" in p.reason
+    p = plan(device=small)  # (256 - 24) / 2 = 116, 112 in steps of 8; 200 needed
+    assert not p.feasible and "needs about 200 registers; setmaxnreg can give 112" in p.reason
 
 
 def test_tma_and_swizzle_limits() -> None:
@@ -197,8 +207,8 @@ def test_head_dim_96_takes_the_64_byte_swizzle(registered: None) -> None:
     assert FAMILY.compile_defines(p)["HEAD_DIM"] == 96
     source = KERNEL.read_text()
     assert "#define SWIZZLE_BYTES (HEAD_DIM % 64 == 0 ? 128 : 64)" in source
-    # S, O and two P sets at 128-key tiles: 64 + 48 + 64 + 48 = 224 of 240
-    assert consumer_registers_needed(128, 96, overlap=True) == 224
+    # S, O and two P sets at 128-key tiles: 64 + 48 + 64 + 40 = 216 of 240
+    assert consumer_registers_needed(128, 96, overlap=True) == 216
 
 
 def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> None:

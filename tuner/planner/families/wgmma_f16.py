@@ -76,12 +76,17 @@ MAX_CONSUMER_REGISTERS = 240
 SETMAXNREG_STEP = 8
 SM90_REGISTERS_PER_SM = 65536
 #: registers a consumer thread needs besides its accumulators and P fragments (addresses,
-#: row statistics, loop state): ptxas's counts for the compiled grid (ptxas.json in the
-#: results) stay within accumulators + P + this.
-CONSUMER_OVERHEAD_REGISTERS = 48
+#: row statistics, loop state). Calibrated on ptxas (nvcc 13.0, sm_90a, 240 a consumer):
+#: late-packed 176-key tiles at head_dim 128 (S + P + O = 196) and 80-key tiles at 256 (188)
+#: compile clean, 192-key tiles at 128 (208) spill; two-set 128-key tiles at 128 (224) and
+#: 64-key ones at 256 (224) compile clean, 80-key ones at 256 (248) spill. The compiler's
+#: report (spills, serialised wgmma) is the final word; this screens the rest.
+CONSUMER_OVERHEAD_REGISTERS = 40
 #: the kernel's head dims (whole swizzle rows) and key tiles (wgmma N of the S product)
 HEAD_DIMS = (64, 96, 128, 192, 256)
-BLOCK_NS = (64, 128)
+#: (any whole number of k16 steps for P V; FlashAttention-3 takes 176 at head_dim 128, 144
+#: at 96, 112 at 192 and 80 at 256, where shared memory or registers stop 128)
+BLOCK_NS = (64, 80, 96, 112, 128, 144, 160, 176, 192)
 GRID_YZ_LIMIT = 65535
 #: as mma_f16: scaled subtract, max, sum, pack, exp2 per (query, key) pair
 NON_MATMUL_FLOPS_PER_PAIR = 5
@@ -107,10 +112,13 @@ def consumer_registers(consumers: int, blocks_per_sm: int, registers_per_sm: int
     return min(MAX_CONSUMER_REGISTERS, share // SETMAXNREG_STEP * SETMAXNREG_STEP)
 
 
-def consumer_registers_needed(block_n: int, head_dim: int, overlap: bool = False) -> int:
+def consumer_registers_needed(
+    block_n: int, head_dim: int, overlap: bool = False, late_pack: bool = False
+) -> int:
     """S and O accumulators (m64nN f32: N / 2 a thread), P's 16-bit pairs (block_n / 4;
-    two sets with ``overlap``: P(t) is packed while P V(t-1) still reads P(t-1))."""
-    p_sets = 2 if overlap else 1
+    two sets with ``overlap``, where P(t) is packed while P V(t-1) still reads P(t-1), one
+    with ``late_pack``, where it is packed once that product has landed)."""
+    p_sets = 2 if overlap and not late_pack else 1
     return block_n // 2 + head_dim // 2 + p_sets * block_n // 4 + CONSUMER_OVERHEAD_REGISTERS
 
 
@@ -201,6 +209,7 @@ class WgmmaF16(KernelFamily):
         Tunable("pingpong", 0, (0, 1), stored_before=0),
         Tunable("staged_store", 0, (0, 1), stored_before=0),
         Tunable("persistent", 0, (0, 1), stored_before=0),
+        Tunable("late_pack", 0, (0, 1), stored_before=0),
     )
     heatmap_axes = ("block_n", "consumers")
 
@@ -221,7 +230,9 @@ class WgmmaF16(KernelFamily):
         keys_per_split = checked_u32(block_n * tiles_per_split, "split key span")
         shared = wgmma_f16_shared_bytes(consumers, block_n, stages, d)
         registers = consumer_registers(consumers, blocks_per_sm, device.registers_per_sm)
-        needed = consumer_registers_needed(block_n, d, bool(params.overlap))
+        needed = consumer_registers_needed(
+            block_n, d, bool(params.overlap), bool(params.late_pack)
+        )
         row_blocks = div_ceil(n, block_m)
         slots = device.sm_count * blocks_per_sm  # blocks resident at once
 
@@ -244,6 +255,10 @@ class WgmmaF16(KernelFamily):
             reason = f"pingpong={params.pingpong}: 0 or 1"
         elif params.pingpong and (consumers != 2 or not params.overlap):
             reason = "the ping-pong takes turns between two consumers, with overlap=1"
+        elif params.late_pack not in (0, 1):
+            reason = f"late_pack={params.late_pack}: 0 or 1"
+        elif params.late_pack and not params.overlap:
+            reason = "late_pack orders the overlapped loop's packing: it needs overlap=1"
         elif params.staged_store not in (0, 1):
             reason = f"staged_store={params.staged_store}: 0 or 1"
         elif params.staged_store and splits > 1:
@@ -352,6 +367,7 @@ class WgmmaF16(KernelFamily):
             "PINGPONG": params.pingpong,
             "STAGED_STORE": params.staged_store,
             "PERSISTENT": params.persistent,
+            "LATE_PACK": params.late_pack,
             "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
             # Every sm_90 part has 64K registers an SM (plans carry no device profile).
             "CONSUMER_REGISTERS": consumer_registers(
@@ -362,11 +378,13 @@ class WgmmaF16(KernelFamily):
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
-        # "/p1", "/ss" and "/ps" only when on: the keys registries hold from before stay valid
+        # "/p1", "/ss", "/ps" and "/lp" only when on: the keys registries hold from before
+        # stay valid
         extras = (
             ("/p1" if params.pingpong else "")
             + ("/ss" if params.staged_store else "")
             + ("/ps" if params.persistent else "")
+            + ("/lp" if params.late_pack else "")
         )
         return (
             f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
