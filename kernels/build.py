@@ -266,10 +266,12 @@ _PROPERTIES = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized.*function '([^']+)'")
 
 
 def parse_ptxas_report(text: str) -> dict[str, ResourceUsage]:
-    """Per entry function: registers, spills, stack frame and static shared memory.
+    """Per entry function: registers, spills, stack frame, static shared memory, and
+    whether ptxas serialised its wgmma products (C7512).
 
     ``Function properties`` blocks also appear for non-inlined device
     functions; only entry functions are kept, since those are what launches.
@@ -279,8 +281,11 @@ def parse_ptxas_report(text: str) -> dict[str, ResourceUsage]:
     entries: list[str] = []
     entry: str | None = None
     properties_of: str | None = None
+    serialized: set[str] = set()
     for line in text.splitlines():
-        if match := _ENTRY.search(line):
+        if match := _SERIALIZED.search(line):
+            serialized.add(match.group(1))
+        elif match := _ENTRY.search(line):
             entry = match.group(1)
             entries.append(entry)
         elif match := _PROPERTIES.search(line):
@@ -303,6 +308,7 @@ def parse_ptxas_report(text: str) -> dict[str, ResourceUsage]:
             spill_load_bytes=spill_loads,
             static_shared_bytes=static_shared,
             stack_bytes=stack,
+            serialized_wgmma=name in serialized,
         )
     return report
 
@@ -330,6 +336,16 @@ def _variant_digest(spec: KernelSpec, arch: str) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
+#: characters of a variant's readable key kept in its cache file names: a file name may have
+#: 255 bytes, and a plan with every variant switch on spells more (the digest after it
+#: identifies the variant either way)
+CACHE_NAME_KEY_CHARS = 160
+
+
+def _cache_prefix(spec: KernelSpec, arch: str) -> str:
+    return f"{spec.key[:CACHE_NAME_KEY_CHARS]}-{_variant_digest(spec, arch)}"
+
+
 def _toolchain_digest(version: str) -> str:
     return hashlib.sha256(version.encode()).hexdigest()[:8]
 
@@ -345,6 +361,15 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
+def _recorded_resources(record: dict) -> dict[str, ResourceUsage]:
+    """An entry's resources, read again from its ptxas log (so entries cached before a field
+    was parsed, such as ``serialized_wgmma``, still report it); the recorded numbers where
+    the log names none of them."""
+    reparsed = parse_ptxas_report(record.get("ptxas_log") or "")
+    recorded = {name: ResourceUsage(**usage) for name, usage in record["resources"].items()}
+    return reparsed if set(reparsed) >= set(recorded) else recorded
+
+
 def _load_entry(report_path: Path, spec: KernelSpec) -> CompiledKernel | None:
     try:
         record = json.loads(report_path.read_text())
@@ -356,7 +381,7 @@ def _load_entry(report_path: Path, spec: KernelSpec) -> CompiledKernel | None:
             spec=spec,
             cubin_path=cubin_path,
             cubin=cubin,
-            resources={name: ResourceUsage(**usage) for name, usage in record["resources"].items()},
+            resources=_recorded_resources(record),
             source_hash=record["source_hash"],
             arch=record["arch"],
             nvcc_version=record["nvcc_version"],
@@ -370,7 +395,7 @@ def _load_entry(report_path: Path, spec: KernelSpec) -> CompiledKernel | None:
 def _cached(
     spec: KernelSpec, cache_dir: Path, arch: str, version: str | None
 ) -> CompiledKernel | None:
-    prefix = f"{spec.key}-{_variant_digest(spec, arch)}"
+    prefix = _cache_prefix(spec, arch)
     if version is not None:
         return _load_entry(cache_dir / f"{prefix}-{_toolchain_digest(version)}.json", spec)
     # No nvcc here: any toolchain's entry for this exact source will do; newest first.
@@ -430,7 +455,7 @@ def _compile(
         return CompileFailure(
             spec=spec, reason=f"ptxas reported no resources for {', '.join(missing)}", stderr=log
         )
-    prefix = f"{spec.key}-{_variant_digest(spec, arch)}-{_toolchain_digest(version)}"
+    prefix = f"{_cache_prefix(spec, arch)}-{_toolchain_digest(version)}"
     cubin_path = directory / f"{prefix}.cubin"
     record = {
         "family": spec.family,
@@ -446,6 +471,7 @@ def _compile(
                 "spill_load_bytes": usage.spill_load_bytes,
                 "static_shared_bytes": usage.static_shared_bytes,
                 "stack_bytes": usage.stack_bytes,
+                "serialized_wgmma": usage.serialized_wgmma,
             }
             for name, usage in resources.items()
         },

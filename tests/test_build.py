@@ -103,6 +103,50 @@ def test_spills_in_the_report_make_the_plan_infeasible() -> None:
     assert not judged.feasible and "spills" in judged.reason
 
 
+# ptxas (nvcc 13.0) on kernels/wgmma_f16.cu with two P sets at 176-key tiles, head_dim 128
+PTXAS_SERIALIZED = """\
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized \
+due to insufficient register resources for the function 'wgmma_f16_attention'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'wgmma_f16_split_merge' for 'sm_90a'
+ptxas info    : Function properties for wgmma_f16_split_merge
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers
+ptxas info    : Compiling entry function 'wgmma_f16_attention' for 'sm_90a'
+ptxas info    : Function properties for wgmma_f16_attention
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+"""
+
+
+def test_serialised_wgmma_makes_the_plan_infeasible() -> None:
+    # Correct but slow: every product waits for the last. No spill shows it; ptxas's note does.
+    report = parse_ptxas_report(PTXAS_SERIALIZED)
+    assert report["wgmma_f16_attention"] == ResourceUsage(registers=168, serialized_wgmma=True)
+    assert not report["wgmma_f16_split_merge"].serialized_wgmma
+    plan = plan_kernel(
+        Problem(4096, 128, dtype="bfloat16"),
+        KernelParams("wgmma_f16", block_n=128, overlap=1),
+        H200,
+    )
+    assert plan.feasible, plan.reason
+    judged = plan.with_resources(report["wgmma_f16_attention"], H200)
+    assert not judged.feasible and "serialises the wgmma products" in judged.reason
+
+
+def test_a_cached_entry_reports_what_its_log_says(tmp_path) -> None:
+    # entries cached before serialized_wgmma was parsed carry no such field: the log does
+    record = {
+        "resources": {"wgmma_f16_attention": {"registers": 168}},
+        "ptxas_log": PTXAS_SERIALIZED,
+    }
+    resources = build._recorded_resources(record)
+    assert resources["wgmma_f16_attention"].serialized_wgmma
+    assert build._recorded_resources({**record, "ptxas_log": ""}) == {
+        "wgmma_f16_attention": ResourceUsage(registers=168)
+    }
+
+
 def test_first_error_line_is_the_reason() -> None:
     stderr = "tiled.cu(42): error: static assertion failed\n  static_assert(...)\n"
     assert build.first_error_line(stderr) == "tiled.cu(42): error: static assertion failed"
@@ -264,3 +308,26 @@ def test_every_variant_of_the_default_space_compiles(tmp_path: Path) -> None:
         # Dynamic shared memory only: the planner's byte count is the whole story.
         assert compiled.primary_resources.static_shared_bytes == 0
         plan.with_resources(compiled.primary_resources, H200)  # judged without error
+
+
+@needs_nvcc
+def test_a_variant_with_every_switch_on_caches_under_a_short_name(tmp_path: Path) -> None:
+    # a Hopper plan with a window, softcap and sinks spells a key of over 255 characters
+    # (with the cache's suffixes, past the longest file name): the cache names it by a cut key and the digest
+    problem = Problem(300, 128, heads=8, kv_heads=2, kv_len=1500, causal=True,
+                      dtype="bfloat16", window_left=200, softcap=30.0, sinks=True)  # fmt: skip
+    params = KernelParams("wgmma_f16", block_n=176, overlap=1, pingpong=1, late_pack=1)
+    plan = plan_kernel(problem, params, H200)
+    assert plan.feasible, plan.reason
+    spec = build.KernelSpec.from_plan(plan)
+    # the temporary cubin's name once was "." + key + "-" + 20 + "-" + 8 + ".cubin.XXXXXXXX.tmp"
+    assert len(spec.key) + 50 > 255
+    first = compile_kernel(plan, tmp_path)
+    assert isinstance(first, CompiledKernel), first
+    assert not first.primary_resources.serialized_wgmma
+    assert all(len(path.name) < 255 - 20 for path in tmp_path.iterdir())
+    assert compile_kernel(plan, tmp_path).cache_hit
+    # a variant differing past the cut is another entry
+    staged = params.tunables | {"staged_store": 1}
+    other = plan_kernel(problem, KernelParams("wgmma_f16", **staged), H200)
+    assert not compile_kernel(other, tmp_path).cache_hit

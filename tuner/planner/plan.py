@@ -30,6 +30,9 @@ class ResourceUsage:
     spill_load_bytes: int = 0
     static_shared_bytes: int = 0
     stack_bytes: int = 0
+    #: ptxas could not keep wgmma.mma_async products in flight for want of registers and
+    #: waits after each (its C7512 "Potential Performance Loss" note): correct, but slow
+    serialized_wgmma: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,8 @@ def resource_verdict(usage: ResourceUsage, threads: int, device: DeviceProfile) 
             f"compiler spills registers to local memory ({usage.spill_store_bytes} B stores, "
             f"{usage.spill_load_bytes} B loads)"
         )
+    if usage.serialized_wgmma:
+        return "compiler serialises the wgmma products for want of registers (ptxas C7512)"
     if usage.registers > device.max_registers_per_thread:
         return f"{usage.registers} registers per thread exceed {device.max_registers_per_thread}"
     if allocated_registers(usage.registers, device) * threads > device.registers_per_block:
