@@ -46,6 +46,7 @@ from sqlalchemy.exc import ArgumentError
 from db import PlanRecord, PlanRegistry, RecordStatus
 from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
 from kernels.backends.model import MODEL_GPU_NAME
+from kernels.backends.replay import Recording
 from tuner import plots, report, termination
 from tuner.config import TunerConfig, ValidatedConfig, space_axes_from
 from tuner.costmodel import Prediction, predict
@@ -601,9 +602,13 @@ def _planned(
             feasible = [plan for plan in feasible if plan.family in recorded]
         # Plans of a tunable added since the recording, at a value its plans never ran,
         # and plans the recording's compiler ruled out.
+        # A plan at a choice added since (a new key tile) has no entry either: the recorder
+        # times every feasible plan, so a key it lacks lies outside the recorded space.
         known = recorded_tunables(recording)
         verdicts = {
-            plan.key(): unrecorded_reason(plan, known) or recording.rejection(plan.key())
+            plan.key(): unrecorded_reason(plan, known)
+            or recording.rejection(plan.key())
+            or _unrecorded_key(plan, recording)
             for plan in feasible
         }
         rejected += [
@@ -614,6 +619,15 @@ def _planned(
         feasible = [plan for plan in feasible if not verdicts[plan.key()]]
     _require_some(feasible, rejected, problem, device)
     return feasible, rejected
+
+
+def _unrecorded_key(plan: KernelPlan, recording: Recording) -> str:
+    if plan.key() in recording.entries:
+        return ""
+    return (
+        f"{plan.key()} is not in the recording ({len(recording.entries)} plans): outside the "
+        "space it was recorded in"
+    )
 
 
 def _require_some(
