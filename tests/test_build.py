@@ -312,8 +312,9 @@ def test_every_variant_of_the_default_space_compiles(tmp_path: Path) -> None:
 
 @needs_nvcc
 def test_a_variant_with_every_switch_on_caches_under_a_short_name(tmp_path: Path) -> None:
-    # a Hopper plan with a window, softcap and sinks spells a key of over 255 characters
-    # (with the cache's suffixes, past the longest file name): the cache names it by a cut key and the digest
+    # a Hopper plan with a window, softcap and sinks spells a key that, with the cache's
+    # suffixes, passes the longest file name (255): the cache names it by a cut key and the
+    # digest
     problem = Problem(300, 128, heads=8, kv_heads=2, kv_len=1500, causal=True,
                       dtype="bfloat16", window_left=200, softcap=30.0, sinks=True)  # fmt: skip
     params = KernelParams("wgmma_f16", block_n=176, overlap=1, pingpong=1, late_pack=1)

@@ -21,6 +21,7 @@ from tuner.planner import SpaceAxes, candidate_space
 from tuner.planner.plan import ResourceUsage
 from tuner.precompile import CompileAhead, precompile
 from tuner.problem import Problem
+from tuner.recorded_space import within_recording
 from tuner.search import COMPILED_OUT, run_search
 from tuner.study_space import StudySpace
 
@@ -136,8 +137,7 @@ def test_a_replayed_default_search_compiles_a_fraction_of_the_space(tmp_path):
     the variants it measures and a window more, not the space's 108 (about 20 s here)."""
     recording = load_recordings(GRID)[0]
     planned = candidate_space(recording.problem, H200, SpaceAxes())
-    feasible = [p for p in planned.feasible if not recording.rejection(p.key())]
-    feasible = [p for p in feasible if p.family in recording.source_hashes]
+    feasible, _ = within_recording(list(planned.feasible), recording)
     predictions = {p.key(): predict(p, H200) for p in feasible}
     space = StudySpace(recording.problem, H200, feasible, (), encoding="candidate")
     ahead = CompileAhead(H200, str(tmp_path / "cubins"), jobs=2, window=2)

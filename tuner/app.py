@@ -46,7 +46,6 @@ from sqlalchemy.exc import ArgumentError
 from db import PlanRecord, PlanRegistry, RecordStatus
 from kernels.backends import Backend, BackendChoice, BackendFactory, choose_backend, make_backend
 from kernels.backends.model import MODEL_GPU_NAME
-from kernels.backends.replay import Recording
 from tuner import plots, report, termination
 from tuner.config import TunerConfig, ValidatedConfig, space_axes_from
 from tuner.costmodel import Prediction, predict
@@ -63,7 +62,7 @@ from tuner.planner.tunable import KernelPlan
 from tuner.precompile import CompileAhead, precompile
 from tuner.problem import Problem
 from tuner.progress import SearchProgress, TrialProgress
-from tuner.recorded_space import recorded_tunables, unrecorded_reason
+from tuner.recorded_space import within_recording
 from tuner.run_log import to_log_file
 from tuner.search import (
     allowed_plans,
@@ -588,46 +587,10 @@ def _planned(
         # What the recording machine's compiler ruled out is dropped here, as
         # precompiling drops it in a PyCUDA run, so a replay searches the same space.
         recording = backend.recording_for(problem)  # type: ignore[attr-defined]
-        # A family the recording did not time (its source_hashes name the ones it did)
-        # has nothing to replay: its plans are ruled out, not tried and failed one by one.
-        recorded = set(recording.source_hashes)
-        if recorded:
-            rejected += [
-                dataclasses.replace(
-                    plan, feasible=False, reason=f"{plan.family} is not in the recording"
-                )
-                for plan in feasible
-                if plan.family not in recorded
-            ]
-            feasible = [plan for plan in feasible if plan.family in recorded]
-        # Plans of a tunable added since the recording, at a value its plans never ran,
-        # and plans the recording's compiler ruled out.
-        # A plan at a choice added since (a new key tile) has no entry either: the recorder
-        # times every feasible plan, so a key it lacks lies outside the recorded space.
-        known = recorded_tunables(recording)
-        verdicts = {
-            plan.key(): unrecorded_reason(plan, known)
-            or recording.rejection(plan.key())
-            or _unrecorded_key(plan, recording)
-            for plan in feasible
-        }
-        rejected += [
-            dataclasses.replace(plan, feasible=False, reason=verdicts[plan.key()])
-            for plan in feasible
-            if verdicts[plan.key()]
-        ]
-        feasible = [plan for plan in feasible if not verdicts[plan.key()]]
+        feasible, outside = within_recording(feasible, recording)
+        rejected += outside
     _require_some(feasible, rejected, problem, device)
     return feasible, rejected
-
-
-def _unrecorded_key(plan: KernelPlan, recording: Recording) -> str:
-    if plan.key() in recording.entries:
-        return ""
-    return (
-        f"{plan.key()} is not in the recording ({len(recording.entries)} plans): outside the "
-        "space it was recorded in"
-    )
 
 
 def _require_some(

@@ -10,6 +10,7 @@ did not time are, rather than tried and failed one by one.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from tuner.planner.plan import KernelPlan
@@ -39,3 +40,35 @@ def unrecorded_reason(plan: KernelPlan, known: set[str]) -> str:
                 f"(recorded before {tunable.name} existed: its plans ran {tunable.name}={ran})"
             )
     return ""
+
+
+def within_recording(
+    plans: list[KernelPlan], recording: Recording
+) -> tuple[list[KernelPlan], list[KernelPlan]]:
+    """``plans`` split into those a replay of ``recording`` can answer and the rest, ruled
+    out with their reason: a family it did not time (its ``source_hashes`` name those it
+    did), a tunable added since at a value its plans never ran, what its compiler ruled
+    out, and a key it lacks (the recorder times every feasible plan, so a missing key, such
+    as a key tile added since, lies outside the recorded space)."""
+    recorded = set(recording.source_hashes)
+    known = recorded_tunables(recording)
+
+    def verdict(plan: KernelPlan) -> str:
+        if recorded and plan.family not in recorded:
+            return f"{plan.family} is not in the recording"
+        if reason := unrecorded_reason(plan, known) or recording.rejection(plan.key()):
+            return reason
+        if plan.key() not in recording.entries:
+            return (
+                f"{plan.key()} is not in the recording ({len(recording.entries)} plans): "
+                "outside the space it was recorded in"
+            )
+        return ""
+
+    inside, outside = [], []
+    for plan in plans:
+        if reason := verdict(plan):
+            outside.append(dataclasses.replace(plan, feasible=False, reason=reason))
+        else:
+            inside.append(plan)
+    return inside, outside

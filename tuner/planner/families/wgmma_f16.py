@@ -9,7 +9,10 @@ other's GEMMs); with ``staged_store`` a consumer's output goes out through its (
 in whole 16-byte rows instead of from the fragments; with ``persistent`` a grid of one block
 per SM slot walks a static queue of row blocks (heaviest first under causal), its producer
 loading the next row block's K, V and Q while the consumers finish the last (FlashAttention-3's
-static persistent scheduler). K/V tiles of ``block_n`` keys stream
+static persistent scheduler); with ``late_pack`` (and ``overlap``) P(t) is packed to 16 bits only
+once P V(t-1) has landed, into one register set (FlashAttention-3's order: S + P + O live at
+the peak, not S + 2P + O, what 176-key tiles at head_dim 128 and 80-key ones at 256 need).
+K/V tiles of ``block_n`` keys (64 to 192, whole k16 steps) stream
 through a ``stages``-deep ring in shared memory in the 128-byte swizzle (the 64-byte one at
 head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators
 in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
