@@ -18,6 +18,12 @@ process, on the same inputs, CUDA events around each call, L2 flushed before eac
 * torch SDPA's cuDNN and flash (FlashAttention-2) backends (``sdpa_kernel``), GQA through
   ``enable_gqa``.
 
+``--sweep``: each shape's candidates also include the key-tile sweep (``sweep_plans``):
+FlashAttention-3's structure (overlap, ping-pong, staged store; persistent and not) at every
+key tile the planner allows, P packed early or late, at the deepest ring (of 2-4 stages) that
+fits. A candidate the compiler rules out (spills, serialised wgmma: what the tuner's
+precompile drops) is listed with its reason and not timed.
+
 The best plan's output is compared with cuDNN's (max |difference|; the GPU suite holds the
 parity rule). TFLOP/s count the visible pairs (4 * pairs * head_dim). ``--plan KEY`` times
 only that plan of the one shape given (what ``ncu`` profiles); ``--precompile`` compiles
@@ -96,11 +102,60 @@ def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
     return chosen
 
 
-def precompile(cache_dir: Path, names: list[str], wgmma: int, mma: int,
-               twins: tuple[str, ...]) -> None:
+#: the sweep's structures: FlashAttention-3's (overlap, ping-pong, staged store), persistent
+#: and not
+SWEEP_BASES = (
+    {"consumers": 2, "overlap": 1, "pingpong": 1, "staged_store": 1},
+    {"consumers": 2, "overlap": 1, "pingpong": 1, "staged_store": 1, "persistent": 1},
+)
+
+
+def sweep_plans(problem: Problem, device: DeviceProfile) -> list[KernelPlan]:
+    """Every key tile of the planner's, early and late P packing, on each SWEEP_BASES
+    structure at the deepest feasible ring."""
+    from tuner.planner.families import family_named
+    from tuner.planner.families.wgmma_f16 import BLOCK_NS
+    from tuner.planner.params import KernelParams
+
+    hopper = family_named("wgmma_f16")
+    found = []
+    for base in SWEEP_BASES:
+        for block_n in BLOCK_NS:
+            for late_pack in (0, 1):
+                for stages in (4, 3, 2):
+                    params = KernelParams("wgmma_f16", **base, block_n=block_n, stages=stages,
+                                          late_pack=late_pack)
+                    plan = hopper.plan(problem, params, device)
+                    if plan.feasible:
+                        found.append(plan)
+                        break
+    return found
+
+
+def shape_candidates(problem: Problem, device: DeviceProfile, args: argparse.Namespace
+                     ) -> list[KernelPlan]:
+    plans = candidates(problem, device, args.candidates, args.mma_candidates, tuple(args.twins))
+    if args.sweep:
+        keys = {plan.key() for plan in plans}
+        plans += [plan for plan in sweep_plans(problem, device) if plan.key() not in keys]
+    return plans
+
+
+def compiler_verdict(plan: KernelPlan, cache_dir: Path, device: DeviceProfile) -> str:
+    """Why the compiler rules ``plan`` out ("" when it does not), as the tuner's precompile
+    judges it."""
     from kernels import build
 
-    plans = [p for name in names for p in candidates(SHAPES[name], H200, wgmma, mma, twins)]
+    result = build.compile_kernel(plan, cache_dir, arch=device.arch)
+    if isinstance(result, build.CompileFailure):
+        return result.reason
+    return plan.with_resources(result.primary_resources, device).reason
+
+
+def precompile(cache_dir: Path, names: list[str], args: argparse.Namespace) -> None:
+    from kernels import build
+
+    plans = [p for name in names for p in shape_candidates(SHAPES[name], H200, args)]
     results = build.compile_many(plans, cache_dir, arch=H200.arch)
     failed = {key: r.reason for key, r in results.items() if isinstance(r, build.CompileFailure)}
     print(f"{len(results)} variants compiled into {cache_dir}, {len(failed)} failed")
@@ -150,8 +205,7 @@ class Bench:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         q, k, v = self.inputs(problem)
-        plans = candidates(problem, self.runner.profile, self.args.candidates,
-                           self.args.mma_candidates, tuple(self.args.twins))
+        plans = shape_candidates(problem, self.runner.profile, self.args)
         if only is not None:
             plans = [p for p in plans if p.key() == only]
             if not plans:
@@ -159,6 +213,12 @@ class Bench:
         rows, runs = [], {}
         for plan in plans:
             row: dict[str, Any] = {"plan": plan.key()}
+            verdict = compiler_verdict(plan, self.runner.backend.cache_dir, self.runner.profile)
+            if verdict:
+                row["rejected"] = verdict
+                rows.append(row)
+                print(f"  {plan.key()}: rejected: {verdict}", flush=True)
+                continue
             try:
                 runs[plan.key()] = self.ours(plan, q, k, v)
                 row |= self.time(runs[plan.key()][0])
@@ -224,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cubin cache")
     parser.add_argument("--plan", help="time only this plan key (one shape: for ncu)")
     parser.add_argument("--precompile", type=Path, metavar="DIR", help="compile only (no GPU)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the key-tile sweep (sweep_plans) of each shape")
     args = parser.parse_args(argv)
     if args.precompile is not None:
-        precompile(args.precompile, args.shapes, args.candidates, args.mma_candidates,
-                   tuple(args.twins))
+        precompile(args.precompile, args.shapes, args)
         return 0
     if args.out is None:
         parser.error("give --out (a run) or --precompile DIR")
