@@ -19,8 +19,8 @@ process, on the same inputs, CUDA events around each call, L2 flushed before eac
   ``enable_gqa``.
 
 ``--sweep``: each shape's candidates also include the key-tile sweep (``sweep_plans``):
-FlashAttention-3's structure (overlap, ping-pong, staged store; persistent and not) at every
-key tile the planner allows, P packed early or late, at the deepest ring (of 2-4 stages) that
+FlashAttention-3's structure (overlap, ping-pong, staged store; persistent and not; the
+overlap alone, with and without the staged store) at every key tile the planner allows, P packed early or late, at the deepest ring (of 2-4 stages) that
 fits. A candidate the compiler rules out (spills, serialised wgmma: what the tuner's
 precompile drops) is listed with its reason and not timed.
 
@@ -103,10 +103,13 @@ def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
 
 
 #: the sweep's structures: FlashAttention-3's (overlap, ping-pong, staged store), persistent
-#: and not
+#: and not, and the overlap without the ping-pong (with and without the staged store: at
+#: head_dim 192 and 256 the ping-pong's registers spill the wider tiles)
 SWEEP_BASES = (
     {"consumers": 2, "overlap": 1, "pingpong": 1, "staged_store": 1},
     {"consumers": 2, "overlap": 1, "pingpong": 1, "staged_store": 1, "persistent": 1},
+    {"consumers": 2, "overlap": 1, "staged_store": 1},
+    {"consumers": 2, "overlap": 1},
 )
 
 
