@@ -20,9 +20,10 @@ process, on the same inputs, CUDA events around each call, L2 flushed before eac
 
 ``--sweep``: each shape's candidates also include the key-tile sweep (``sweep_plans``):
 FlashAttention-3's structure (overlap, ping-pong, staged store; persistent and not; the
-overlap alone, with and without the staged store) at every key tile the planner allows, P packed early or late, at the deepest ring (of 2-4 stages) that
-fits. A candidate the compiler rules out (spills, serialised wgmma: what the tuner's
-precompile drops) is listed with its reason and not timed.
+overlap alone, with and without the staged store) at every key tile the planner allows, P
+packed early or late, at the deepest ring (of 2-4 stages) that fits. A candidate the
+compiler rules out (spills, serialised wgmma: what the tuner's precompile drops) is listed
+with its reason and not timed.
 
 The best plan's output is compared with cuDNN's (max |difference|; the GPU suite holds the
 parity rule). TFLOP/s count the visible pairs (4 * pairs * head_dim). ``--plan KEY`` times
