@@ -84,9 +84,11 @@ def problems() -> list[Problem]:
     return found
 
 
-def plans_for(problem: Problem, profile) -> list[KernelPlan]:
+def planned(problem: Problem, rows, profile) -> list[KernelPlan]:
+    """The plans of ``rows`` (of NAMES) for ``problem``; those refused only for size are run
+    anyway."""
     plans = []
-    for values in PLANS:
+    for values in rows:
         params = params_of(values)
         plan = FAMILY.plan(problem, params, planning_profile(params, profile))
         if not plan.feasible:
@@ -94,6 +96,10 @@ def plans_for(problem: Problem, profile) -> list[KernelPlan]:
             plan = dataclasses.replace(plan, feasible=True, reason="")
         plans.append(plan)
     return plans
+
+
+def plans_for(problem: Problem, profile) -> list[KernelPlan]:
+    return planned(problem, PLANS, profile)
 
 
 @pytest.fixture(scope="module")
@@ -255,12 +261,7 @@ def wide_problems() -> list[Problem]:
 @pytest.mark.parametrize("problem", wide_problems(), ids=lambda p: p.label().replace(" ", "-"))
 def test_wide_head_dims_match_the_reference(backend: PyCudaBackend, problem: Problem) -> None:
     wrong = []
-    for values in WIDE_PLANS:
-        params = params_of(values)
-        plan = FAMILY.plan(problem, params, planning_profile(params, backend.device_profile()))
-        if not plan.feasible:
-            assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
-            plan = dataclasses.replace(plan, feasible=True, reason="")
+    for plan in planned(problem, WIDE_PLANS, backend.device_profile()):
         result = backend.measure(plan, problem)
         if not result.ok:
             wrong.append(f"{plan.key()}: {result.failure} {result.detail}")
@@ -300,15 +301,7 @@ def key_tile_problems() -> list[Problem]:
 
 
 def key_tile_plans(problem: Problem, profile) -> list[KernelPlan]:
-    plans = []
-    for values in KEY_TILE_PLANS[problem.head_dim]:
-        params = params_of(values)
-        plan = FAMILY.plan(problem, params, planning_profile(params, profile))
-        if not plan.feasible:
-            assert any(r in plan.reason for r in SIZE_ONLY_REASONS), plan.reason
-            plan = dataclasses.replace(plan, feasible=True, reason="")
-        plans.append(plan)
-    return plans
+    return planned(problem, KEY_TILE_PLANS[problem.head_dim], profile)
 
 
 @pytest.mark.parametrize(

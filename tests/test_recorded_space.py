@@ -36,6 +36,21 @@ def wgmma(**tunables: int):
                                              **tunables), H200)
 
 
+def replayed_search(tmp_path: Path, trials: int) -> str:
+    """The tuner's report of a replayed search of the recorded grid's problem (it succeeds)."""
+    cfg = compose(config_name="config", overrides=[
+        "seq_len=4096", "head_dim=128", "batch=4", "heads=16", "dtype=bfloat16",
+        "backend=replay", f"backend.replay_path={GRID}", f"search.n_trials={trials}",
+        f"registry.url=sqlite:///{tmp_path / 'plans.sqlite'}",
+        f"search.storage=sqlite:///{tmp_path / 'studies.sqlite'}",
+    ])  # fmt: skip
+    out = io.StringIO()
+    status = run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out)
+    text = out.getvalue()
+    assert status == 0, text
+    return text
+
+
 def test_a_tunable_added_since_is_in_the_space_only_at_the_value_its_plans_ran():
     (recording,) = load_recordings(GRID)
     known = recorded_tunables(recording)
@@ -58,31 +73,13 @@ def test_a_replay_rules_out_a_choice_added_since(tmp_path, hydra_conf):
     (recording,) = load_recordings(GRID)
     assert {entry.params["block_n"] for entry in recording.entries.values()
             if entry.params["family"] == "wgmma_f16"} == {64, 128}  # fmt: skip
-    cfg = compose(config_name="config", overrides=[
-        "seq_len=4096", "head_dim=128", "batch=4", "heads=16", "dtype=bfloat16",
-        "backend=replay", f"backend.replay_path={GRID}", "search.n_trials=40",
-        f"registry.url=sqlite:///{tmp_path / 'plans.sqlite'}",
-        f"search.storage=sqlite:///{tmp_path / 'studies.sqlite'}",
-    ])  # fmt: skip
-    out = io.StringIO()
-    status = run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out)
-    text = out.getvalue()
-    assert status == 0, text
+    text = replayed_search(tmp_path, trials=40)
     assert "/n176/" not in text and "0 failed" in text, text
 
 
 def test_a_replay_rules_out_unrecorded_plans_and_measures_only_recorded_ones(
     tmp_path, hydra_conf
 ):
-    cfg = compose(config_name="config", overrides=[
-        "seq_len=4096", "head_dim=128", "batch=4", "heads=16", "dtype=bfloat16",
-        "backend=replay", f"backend.replay_path={GRID}", "search.n_trials=12",
-        f"registry.url=sqlite:///{tmp_path / 'plans.sqlite'}",
-        f"search.storage=sqlite:///{tmp_path / 'studies.sqlite'}",
-    ])  # fmt: skip
-    out = io.StringIO()
-    status = run(validate(typed_config(cfg)), output_dir=tmp_path / "run", out=out)
-    text = out.getvalue()
-    assert status == 0, text
+    text = replayed_search(tmp_path, trials=12)
     assert "/p1/" not in text and "/ss/" not in text
     assert "0 failed" in text, text
