@@ -170,6 +170,13 @@ WGMMA_FORWARD_CASES = [
         {"block_n": 176, "overlap": 1, "pingpong": 1, "late_pack": 1},
         None,
     ),
+    # head_dim 256's: 80 keys (5 k16 steps), late packing, causal with kv_len > seq_len so
+    # the first tile is partly masked and the last ends mid-tile, float16
+    (
+        Problem(70, 256, kv_len=230, causal=True, dtype="float16"),
+        {"block_n": 80, "overlap": 1, "late_pack": 1},
+        None,
+    ),
     # the persistent queue (heaviest first under causal), one consumer, 64-key tiles, float16
     (
         Problem(200, 64, heads=3, causal=True, dtype="float16"),
