@@ -17,7 +17,12 @@ from tuner.config import typed_config, validate
 from tuner.device import H200
 from tuner.planner import KernelParams, plan_kernel
 from tuner.problem import Problem
-from tuner.recorded_space import recorded_tunables, unrecorded_reason
+from tuner.recorded_space import (
+    choice_added_since,
+    recorded_tunables,
+    unrecorded_reason,
+    within_recording,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: recorded before the Hopper ping-pong and staged epilogue existed
@@ -65,6 +70,17 @@ def test_a_tunable_added_since_is_in_the_space_only_at_the_value_its_plans_ran()
     )
     # a recording that knows the tunable holds all of its values
     assert unrecorded_reason(wgmma(pingpong=1), known | {"pingpong", "staged_store"}) == ""
+
+
+def test_a_choice_added_since_is_named():
+    (recording,) = load_recordings(GRID)
+    assert choice_added_since(wgmma(block_n=176, late_pack=1), recording) == "block_n=176"
+    # a recorded plan ran every value it has
+    entry = next(e for e in recording.entries.values() if e.params["family"] == "wgmma_f16")
+    recorded = plan_kernel(PROBLEM, KernelParams.from_stored("wgmma_f16", entry.params), H200)
+    assert choice_added_since(recorded, recording) == ""
+    (plan,) = within_recording([wgmma(block_n=176)], recording)[1]
+    assert plan.reason.endswith("block_n=176 was added since"), plan.reason
 
 
 def test_a_replay_rules_out_a_choice_added_since(tmp_path, hydra_conf):

@@ -42,6 +42,23 @@ def unrecorded_reason(plan: KernelPlan, known: set[str]) -> str:
     return ""
 
 
+def choice_added_since(plan: KernelPlan, recording: Recording) -> str:
+    """A tunable value of ``plan`` that no recorded plan of its family ran, as
+    ``name=value`` ("" when every value was ran): a choice added to the planner since the
+    recording (a new key tile). Only meaningful for a plan whose key the recording lacks:
+    a tunable that does not enter the key (a split target) is recorded at one of the
+    values that make that key."""
+    ran: dict[str, set[object]] = {}
+    for entry in recording.entries.values():
+        if entry.params.get("family") == plan.family:
+            for name, value in entry.params.items():
+                ran.setdefault(name, set()).add(value)
+    for name, value in plan.params.tunables.items():
+        if name in ran and value not in ran[name]:
+            return f"{name}={value}"
+    return ""
+
+
 def within_recording(
     plans: list[KernelPlan], recording: Recording
 ) -> tuple[list[KernelPlan], list[KernelPlan]]:
@@ -59,10 +76,9 @@ def within_recording(
         if reason := unrecorded_reason(plan, known) or recording.rejection(plan.key()):
             return reason
         if plan.key() not in recording.entries:
-            return (
-                f"{plan.key()} is not in the recording ({len(recording.entries)} plans): "
-                "outside the space it was recorded in"
-            )
+            added = choice_added_since(plan, recording)
+            why = f"{added} was added since" if added else "outside the space it was recorded in"
+            return f"{plan.key()} is not in the recording ({len(recording.entries)} plans): {why}"
         return ""
 
     inside, outside = [], []
