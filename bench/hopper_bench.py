@@ -60,6 +60,7 @@ def shape(batch: int, heads: int, n: int, d: int, causal: bool = False, dtype: s
 
 SHAPES: dict[str, Problem] = {
     "4x16x4096x64": shape(4, 16, 4096, 64),
+    "4x16x4096x64-causal": shape(4, 16, 4096, 64, causal=True),
     "4x16x4096x96": shape(4, 16, 4096, 96),
     "4x16x4096x96-causal": shape(4, 16, 4096, 96, causal=True),
     "4x16x4096x128": shape(4, 16, 4096, 128),
@@ -105,12 +106,17 @@ def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
 
 #: the sweep's structures: FlashAttention-3's (overlap, ping-pong, staged store), persistent
 #: and not, and the overlap without the ping-pong (with and without the staged store: at
-#: head_dim 192 and 256 the ping-pong's registers spill the wider tiles)
-SWEEP_BASES = (
-    {"consumers": 2, "overlap": 1, "pingpong": 1, "staged_store": 1},
-    {"consumers": 2, "overlap": 1, "pingpong": 1, "staged_store": 1, "persistent": 1},
-    {"consumers": 2, "overlap": 1, "staged_store": 1},
-    {"consumers": 2, "overlap": 1},
+#: head_dim 192 and 256 the ping-pong's registers spill the wider tiles), each with two
+#: consumers and with three (192-row blocks, FlashAttention-3's at head_dim 64)
+SWEEP_BASES = tuple(
+    {"consumers": consumers, **structure}
+    for consumers in (2, 3)
+    for structure in (
+        {"overlap": 1, "pingpong": 1, "staged_store": 1},
+        {"overlap": 1, "pingpong": 1, "staged_store": 1, "persistent": 1},
+        {"overlap": 1, "staged_store": 1},
+        {"overlap": 1},
+    )
 )
 
 

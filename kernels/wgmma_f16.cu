@@ -1,7 +1,8 @@
 // FlashAttention forward on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a):
 // bf16/fp16 in, fp32 accumulate, in the structure of FlashAttention-3.
 //
-// One block = 1 producer warpgroup + CONSUMERS consumer warpgroups (128 threads each).
+// One block = 1 producer warpgroup + CONSUMERS (1 to 3) consumer warpgroups (128 threads each;
+// three are FlashAttention-3's 192-row blocks of head_dim 64, at 160 registers a consumer).
 // Consumer c owns the 64 query rows row0 + 64c .. row0 + 64c + 63 (BLOCK_M = 64 * CONSUMERS)
 // and keeps them in registers as fp32 accumulators; one thread of the producer issues
 // every load with the tensor memory accelerator (cp.async.bulk.tensor.3d), the other 127
@@ -30,9 +31,10 @@
 //   memory, MN-major (head_dim contiguous), i.e. imm-trans-b = 1.
 // OVERLAP = 0 waits for each GEMM before the softmax that reads it; OVERLAP = 1 is
 // FlashAttention-3's intra-warpgroup overlap (the softmax of S(t) runs while P V(t-1) is
-// in the tensor cores; see the consumer loop). PINGPONG = 1 (with OVERLAP and two consumers)
-// is FlashAttention-3's inter-warpgroup ping-pong: the consumers take turns issuing their
-// GEMMs (named barriers 1 and 2), so one group's softmax runs under the other's GEMMs;
+// in the tensor cores; see the consumer loop). PINGPONG = 1 (with OVERLAP and two or three
+// consumers) is FlashAttention-3's inter-warpgroup ping-pong: the consumers take turns issuing
+// their GEMMs (named barriers 1 .. CONSUMERS, round robin), so one group's softmax runs under
+// the others' GEMMs;
 // without it the warp schedulers interleave the two groups on their own.
 //
 // Shared memory: every tile of R rows x HEAD_DIM is stored as HEAD_DIM / C column chunks
@@ -135,8 +137,8 @@ static_assert(HEAD_DIM % CHUNK_COLS == 0 && HEAD_DIM <= 256,
               "head_dim of whole swizzled chunks (64 or 32 columns), up to 256");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 64 && BLOCK_N <= 192,
               "key tiles of whole k16 steps (P V), 64 to 192 keys");
-static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
-static_assert(!PINGPONG || (CONSUMERS == 2 && OVERLAP), "the ping-pong: two consumers, overlapped");
+static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
+static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "the ping-pong: 2 or 3 consumers, overlapped");
 static_assert(!LATE_PACK || OVERLAP, "late packing: a choice of the overlapped loop");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
 static_assert(PERSISTENT == 0 || PERSISTENT == 1, "persistent: 0 or 1");
@@ -200,14 +202,16 @@ struct TileSoftmax {
     }
 };
 
-// The ping-pong's turns (PINGPONG): consumer c issues its GEMMs between a sync on named
-// barrier 1 + c and an arrive on the other consumer's barrier (256 threads each: the owner's
-// sync and the other's arrive). Consumer 0 arrives on its own barrier once to take the first
-// turn; consumer 1 skips its last arrive (no turn of consumer 0 follows), so every phase that
-// starts completes and no barrier is left half-arrived at exit. PERSISTENT repeats the turns
-// per work item: consumer 0's first turn of the next item needs that item's Q, which the
-// producer loads only after consumer 1's q_empty arrive, i.e. after consumer 1's last turn of
-// this item, so the two items' phases never mix on a barrier.
+// The ping-pong's turns (PINGPONG): the consumers issue their GEMMs in turn, round robin
+// (FlashAttention-3's scheduler barrier). Consumer c issues between a sync on named barrier
+// 1 + c and an arrive on the next consumer's, 1 + (c + 1) % CONSUMERS (256 threads each: the
+// owner's sync and the previous consumer's arrive). Consumer 0 arrives on its own barrier
+// once to take the first turn; the last consumer skips its last arrive (no turn of consumer 0
+// follows), so every phase that starts completes and no barrier is left half-arrived at exit.
+// Every consumer of a block walks the same key tiles, so each takes as many turns. PERSISTENT
+// repeats the turns per work item: consumer 0's first turn of the next item needs that item's
+// Q, which the producer loads only after the last consumer's q_empty arrive, i.e. after its
+// last turn of this item, so two items' phases never mix on a barrier.
 struct GemmTurns {
     int consumer;
     __device__ __forceinline__ void start(int tiles) const {
@@ -217,14 +221,17 @@ struct GemmTurns {
         if (PINGPONG) fa::named_barrier_sync(1 + consumer, 256);
     }
     __device__ __forceinline__ void pass(bool last = false) const {
-        if (PINGPONG && !(last && consumer == 1)) fa::named_barrier_arrive(2 - consumer, 256);
+        if (PINGPONG && !(last && consumer == CONSUMERS - 1))
+            fa::named_barrier_arrive(1 + (consumer + 1) % CONSUMERS, 256);
     }
 };
+// named barriers 1 .. CONSUMERS take the turns; the staged store's come after them
+#define STAGED_STORE_BARRIER (1 + CONSUMERS)
 
 // The output of a consumer (64 rows x HEAD_DIM, scaled by each row's 1 / sum) through its
 // own Q tile, dead once the last S product has landed (STAGED_STORE): each thread writes its
 // fragment pairs into the tile in the swizzle (conflict-free: the 8 rows of a warp's store
-// land in 8 different 16-byte units), the warpgroup meets at named barrier 3 + consumer,
+// land in 8 different 16-byte units), the warpgroup meets at its own named barrier,
 // then each thread moves whole 16-byte units of a row to global memory: full 32-byte sectors,
 // where the fragment's own stores write 16 bytes of a row per quad of lanes (half of each
 // sector: Nsight Compute on the H200, 2026-12-04).
@@ -250,7 +257,7 @@ __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, cons
                               pair);
         }
     }
-    fa::named_barrier_sync(3 + consumer, 128);
+    fa::named_barrier_sync(STAGED_STORE_BARRIER + consumer, 128);
     constexpr int UNITS = HEAD_DIM * 2 / 16;  // 16-byte units of a row
     const int tid = 32 * warp + lane;
 #pragma unroll

@@ -177,6 +177,21 @@ WGMMA_FORWARD_CASES = [
         {"block_n": 80, "overlap": 1, "late_pack": 1},
         None,
     ),
+    # three consumers (FlashAttention-3's 192-row blocks of head_dim 64): the ping-pong's
+    # turns round robin over three, late packing, the staged store through its own barriers;
+    # causal with kv_len > seq_len, 400 rows end mid-block
+    (
+        Problem(400, 64, heads=2, kv_len=420, causal=True, dtype="bfloat16"),
+        {"consumers": 3, "overlap": 1, "pingpong": 1, "late_pack": 1, "staged_store": 1},
+        None,
+    ),
+    # three consumers walking the persistent queue with the three-way ping-pong: every item's
+    # turns complete before the next item's begin (causal items of unequal tile counts)
+    (
+        Problem(450, 64, heads=2, causal=True, dtype="float16"),
+        {"consumers": 3, "block_n": 96, "overlap": 1, "pingpong": 1, "persistent": 1},
+        2,
+    ),
     # the persistent queue (heaviest first under causal), one consumer, 64-key tiles, float16
     (
         Problem(200, 64, heads=3, causal=True, dtype="float16"),

@@ -271,7 +271,8 @@ def test_wide_head_dims_match_the_reference(backend: PyCudaBackend, problem: Pro
 
 #: key tiles between and past 64 and 128 (FlashAttention-3's: 192/176 at head_dim 64, 144 at
 #: 96, 176 at 128, 112 at 192, 80 at 256), P packed late into one register set or early
-#: into two, with the ping-pong, the staged store, persistent blocks and splits. Without a
+#: into two, with the ping-pong, the staged store, persistent blocks and splits, and three
+#: consumers (192-row blocks) at head_dim 64 and 96. Without a
 #: mask or variant each compiles clean (no spill, no serialised wgmma) with ptxas, as the
 #: planner predicts; the mask's registers spill some (80-key tiles at head_dim 256 with the
 #: ping-pong, 12 B; 144-176-key ones at 128 with window, softcap and sinks, 52-320 B), which
@@ -280,8 +281,12 @@ def test_wide_head_dims_match_the_reference(backend: PyCudaBackend, problem: Pro
 T = 1 << 16
 KEY_TILE_PLANS = {
     64: ((2, 192, 3, 1, 1, T, 1, 0, 0, 1), (2, 176, 3, 1, 1, T, 1, 1, 0, 1),
-         (2, 144, 4, 1, 1, T, 0, 0, 1, 1)),
-    96: ((2, 144, 2, 1, 1, T, 1, 1, 0, 1), (1, 176, 2, 1, 1, 2, 0, 0, 0, 1)),
+         (2, 144, 4, 1, 1, T, 0, 0, 1, 1),
+         # three consumers (192-row blocks): the three-way ping-pong, persistent, and split
+         (3, 128, 2, 1, 1, T, 1, 0, 0, 1), (3, 96, 3, 1, 1, T, 1, 1, 1, 1),
+         (3, 128, 2, 1, 0, 2, 0, 0, 0, 0)),
+    96: ((2, 144, 2, 1, 1, T, 1, 1, 0, 1), (1, 176, 2, 1, 1, 2, 0, 0, 0, 1),
+         (3, 96, 2, 1, 1, T, 1, 0, 0, 1)),
     128: ((2, 176, 2, 1, 1, T, 1, 0, 0, 1), (2, 160, 2, 1, 1, T, 1, 1, 1, 1),
           (2, 144, 2, 1, 1, 2, 0, 0, 0, 1), (2, 112, 3, 1, 0, T, 0, 0, 0, 0)),
     192: ((2, 112, 2, 1, 1, T, 1, 1, 0, 1), (2, 96, 2, 1, 1, T, 0, 0, 1, 1)),

@@ -25,6 +25,7 @@ from tuner.planner import SpaceAxes, candidate_space
 from tuner.planner.families import families_for
 from tuner.planner.tunable import KernelPlan, ResourceUsage
 from tuner.problem import Problem
+from tuner.recorded_space import within_recording
 from tuner.search import (
     FREE_STREAK_LIMIT,
     SearchResult,
@@ -391,7 +392,14 @@ def test_search_on_recorded_timings(tmp_path, path):
         # The families the recording holds (its source hashes): another family's plans
         # would all replay as "not in the file".
         held = [f for f in families_for(problem.dtype) if f in recording.source_hashes]
-        space, predictions = make_space(problem, axes=SpaceAxes(families=held))
+        # and, as the tuner's replay does, only the plans the recording can answer (a choice
+        # added to the planner since, such as a third consumer, lies outside it)
+        planned = candidate_space(problem, H200, SpaceAxes(families=held))
+        feasible, outside = within_recording(list(planned.feasible), recording)
+        space = StudySpace(
+            problem, H200, feasible, (*planned.rejected, *outside), encoding=encoding_for("model")
+        )
+        predictions = {p.key(): predict(p, H200) for p in feasible}
         backend = ReplayBackend(path)
         result = search(tmp_path, space, predictions, backend, name=f"replay-{index}", n_trials=40)
         times = [e.median_ms for e in recording.entries.values() if e.median_ms is not None]

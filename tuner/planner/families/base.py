@@ -25,7 +25,7 @@ import numpy as np
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.fixed_width import U32_MAX, div_ceil
-from tuner.planner.key_span import visible_padded_pairs_per_head
+from tuner.planner.key_span import span_tiles, visible_padded_pairs_per_head
 from tuner.planner.launches import (
     BufferElements,
     DeviceBuffers,
@@ -38,6 +38,7 @@ from tuner.planner.launches import (
 )
 from tuner.planner.params import KernelParams
 from tuner.planner.plan import KernelPlan, Launch
+from tuner.planner.seed import sequence_parallel_splits
 from tuner.problem import Problem
 
 #: the pipes a family's matmul flops can run on; the cost model knows each one's rate
@@ -175,15 +176,42 @@ class KernelFamily(ABC):
     def enumerate_params(
         self, problem: Problem, values: Mapping[str, Sequence[int]]
     ) -> Iterable[KernelParams]:
-        """Every combination of the tunables' values (``values``: axis -> values, the
-        search settings' narrowing; a tunable without an entry takes its own values)."""
+        """Every coherent combination of the tunables' values (``values``: axis -> values,
+        the search settings' narrowing; a tunable without an entry takes its own values),
+        less those that differ from an earlier one only in a split target that gives the
+        same number of splits (the same plan key: the space keeps the first of a key).
+        """
         order = self.enumeration_order or tuple(t.name for t in self.tunables)
         choices = [
             tuple(values.get(self.axis_name(self.tunable(name)), self.tunable(name).values))
             for name in order
         ]
+        seen_splits: set[tuple[tuple[int, ...], int]] = set()
         for combination in itertools.product(*choices):
-            yield KernelParams(self.name, **dict(zip(order, combination, strict=True)))
+            chosen = dict(zip(order, combination, strict=True))
+            if not self.coherent(chosen):
+                continue
+            splits = self.split_count(problem, chosen)
+            if splits is not None:
+                others = tuple(v for name, v in chosen.items() if name != "split_target")
+                if (others, splits) in seen_splits:
+                    continue
+                seen_splits.add((others, splits))
+            yield KernelParams(self.name, **chosen)
+
+    def coherent(self, values: Mapping[str, int]) -> bool:
+        """Whether a combination of tunable values names a kernel at all, whatever the
+        problem (the ping-pong without the overlap it orders does not). The space enumerates
+        coherent ones only: the others would be rejected for every problem, by the
+        thousand, drowning the reasons that matter. ``plan`` still refuses one asked for
+        directly, with its reason. Default: every combination is."""
+        return True
+
+    def split_count(self, problem: Problem, values: Mapping[str, int]) -> int | None:
+        """The sequence splits ``values`` give ``problem``, for a family whose plan key
+        names its splits rather than its ``split_target`` (None: not known before
+        planning, every target is planned)."""
+        return None
 
     # ------------------------------------------------------------------ planning
 
@@ -296,6 +324,16 @@ def checked_u32(value: int, what: str) -> int:
     if value > U32_MAX:
         raise PlanError(f"Fix: {what} overflows u32: {value} > {U32_MAX}.")
     return value
+
+
+def splits_over_key_tiles(problem: Problem, values: Mapping[str, int]) -> int | None:
+    """``split_count`` of a family that splits the key span's ``block_n``-key tiles by its
+    ``split_target`` (``sequence_parallel_splits``), as ``plan`` does (None for
+    values that ``plan`` refuses: it says why)."""
+    block_n, target = values["block_n"], values["split_target"]
+    if block_n <= 0 or target <= 0 or target > U32_MAX:
+        return None
+    return sequence_parallel_splits(span_tiles(problem, block_n), target=target)
 
 
 def launch_verdict(threads: int, shared_bytes: int, device: DeviceProfile) -> str:

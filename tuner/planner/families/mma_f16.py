@@ -21,6 +21,8 @@ Q's block and ``stages`` (K, V) tile pairs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tuner.device import DeviceProfile
 from tuner.planner.errors import PlanError
 from tuner.planner.families.base import (
@@ -33,6 +35,7 @@ from tuner.planner.families.base import (
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
+    splits_over_key_tiles,
     variant_defines,
     variant_sfu_ops,
 )
@@ -222,6 +225,9 @@ class MmaF16(KernelFamily):
             "S_GROUPS": params.s_groups,
             **variant_defines(p),
         }
+
+    def split_count(self, problem: Problem, values: Mapping[str, int]) -> int | None:
+        return splits_over_key_tiles(problem, values)
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params

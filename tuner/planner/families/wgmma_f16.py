@@ -1,23 +1,24 @@
 """``wgmma_f16`` (``kernels/wgmma_f16.cu``): Hopper FlashAttention forward on ``wgmma.mma_async``.
 
-A block is one producer warpgroup (one thread issues TMA loads) and ``consumers`` consumer
-warpgroups of 64 query rows each (``block_m = 64 * consumers``); with ``overlap`` a consumer
-runs the softmax of tile t while P V of tile t-1 is in the tensor cores (FlashAttention-3's
-intra-warpgroup overlap), and with ``pingpong`` as well the two consumers take turns issuing
-their GEMMs (FlashAttention-3's inter-warpgroup ping-pong: one group's softmax under the
-other's GEMMs); with ``staged_store`` a consumer's output goes out through its (dead) Q tile
-in whole 16-byte rows instead of from the fragments; with ``persistent`` a grid of one block
-per SM slot walks a static queue of row blocks (heaviest first under causal), its producer
-loading the next row block's K, V and Q while the consumers finish the last (FlashAttention-3's
-static persistent scheduler); with ``late_pack`` (and ``overlap``) P(t) is packed to 16 bits only
-once P V(t-1) has landed, into one register set (FlashAttention-3's order: S + P + O live at
-the peak, not S + 2P + O, what 176-key tiles at head_dim 128 and 80-key ones at 256 need).
-K/V tiles of ``block_n`` keys (64 to 192, whole k16 steps) stream
-through a ``stages``-deep ring in shared memory in the 128-byte swizzle (the 64-byte one at
-head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with fp32 accumulators
-in the consumers' registers; ``setmaxnreg`` gives the producer 24 registers a thread and the
-consumers the rest of 64K / ``blocks_per_sm``. Long key ranges split over blocks as in
-``mma_f16`` (same split contract and merge).
+A block is one producer warpgroup (one thread issues TMA loads) and ``consumers`` (1 to 3)
+consumer warpgroups of 64 query rows each (``block_m = 64 * consumers``: three make
+FlashAttention-3's 192-row blocks of head_dim 64, at 160 registers a consumer); with
+``overlap`` a consumer runs the softmax of tile t while P V of tile t-1 is in the tensor cores
+(FlashAttention-3's intra-warpgroup overlap), and with ``pingpong`` as well the consumers take
+turns issuing their GEMMs, round robin (FlashAttention-3's inter-warpgroup ping-pong: one
+group's softmax under the others' GEMMs); with ``staged_store`` a consumer's output goes out
+through its (dead) Q tile in whole 16-byte rows instead of from the fragments; with
+``persistent`` a grid of one block per SM slot walks a static queue of row blocks (heaviest
+first under causal), its producer loading the next row block's K, V and Q while the consumers
+finish the last (FlashAttention-3's static persistent scheduler); with ``late_pack`` (and
+``overlap``) P(t) is packed to 16 bits only once P V(t-1) has landed, into one register set
+(FlashAttention-3's order: S + P + O live at the peak, not S + 2P + O, what 176-key tiles at
+head_dim 128 and 80-key ones at 256 need). K/V tiles of ``block_n`` keys (64 to 192, whole
+k16 steps) stream through a ``stages``-deep ring in shared memory in the 128-byte swizzle
+(the 64-byte one at head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with
+fp32 accumulators in the consumers' registers; ``setmaxnreg`` gives the producer 24
+registers a thread and the consumers the rest of 64K / ``blocks_per_sm``. Long key ranges
+split over blocks as in ``mma_f16`` (same split contract and merge).
 
 Feasibility (one-line reasons): sm_90 only (wgmma, setmaxnreg: sm_90a); head_dim 64, 96,
 128, 192 or 256 (whole swizzled rows: 64 two-byte elements in the 128-byte swizzle, 32 in
@@ -28,6 +29,8 @@ alignment of every tile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -43,6 +46,7 @@ from tuner.planner.families.base import (
     larger_than_needed,
     launch_verdict,
     split_kv_launches,
+    splits_over_key_tiles,
     variant_defines,
     variant_sfu_ops,
 )
@@ -78,13 +82,16 @@ PRODUCER_REGISTERS = 24
 MAX_CONSUMER_REGISTERS = 240
 SETMAXNREG_STEP = 8
 SM90_REGISTERS_PER_SM = 65536
-#: registers a consumer thread needs besides its accumulators and P fragments (addresses,
-#: row statistics, loop state). Calibrated on ptxas (nvcc 13.0, sm_90a, 240 a consumer):
-#: late-packed 176-key tiles at head_dim 128 (S + P + O = 196) and 80-key tiles at 256 (188)
-#: compile clean, 192-key tiles at 128 (208) spill; two-set 128-key tiles at 128 (224) and
-#: 64-key ones at 256 (224) compile clean, 80-key ones at 256 (248) spill. The compiler's
-#: report (spills, serialised wgmma) is the final word; this screens the rest.
-CONSUMER_OVERHEAD_REGISTERS = 40
+#: a consumer thread's registers besides its accumulators and P fragments (addresses, row
+#: statistics, loop state, and what ptxas spends on scheduling: more where it has more) are
+#: about a sixth of its setmaxnreg target. Calibrated on ptxas (nvcc 13.0, sm_90a):
+#: at 240 a consumer (overhead 40), late-packed 176-key tiles at head_dim 128 (S + P + O =
+#: 196) and 80-key tiles at 256 (188) compile clean, 192-key tiles at 128 (208) spill; two-set
+#: 128-key tiles at 128 (192) compile clean, 80-key ones at 256 (208) spill. At 160 (three
+#: consumers, overhead 26), late-packed 128-key tiles at head_dim 64 (128) and 96-key ones at
+#: 96 (120) compile clean, 144-key ones at 64 (140) spill 192 B. The compiler's report
+#: (spills, serialised wgmma) is the final word; this screens the rest.
+CONSUMER_OVERHEAD_SHARE = 6
 #: the kernel's head dims (whole swizzle rows) and key tiles (wgmma N of the S product)
 HEAD_DIMS = (64, 96, 128, 192, 256)
 #: (any whole number of k16 steps for P V; FlashAttention-3 takes 176 at head_dim 128, 144
@@ -109,20 +116,27 @@ def wgmma_f16_shared_bytes(consumers: int, block_n: int, stages: int, head_dim: 
 
 def consumer_registers(consumers: int, blocks_per_sm: int, registers_per_sm: int) -> int:
     """The consumers' setmaxnreg target: what the SM's registers leave a consumer thread
-    once the producer has its 24 (rounded down to 8, at most 240)."""
+    once the producer has its 24 (rounded down to 8, at most 240): 240 with one or two
+    consumers, 160 with three."""
     per_thread = registers_per_sm // blocks_per_sm // WARPGROUP_THREADS
     share = (per_thread - PRODUCER_REGISTERS) // consumers
     return min(MAX_CONSUMER_REGISTERS, share // SETMAXNREG_STEP * SETMAXNREG_STEP)
 
 
 def consumer_registers_needed(
-    block_n: int, head_dim: int, overlap: bool = False, late_pack: bool = False
+    block_n: int,
+    head_dim: int,
+    overlap: bool = False,
+    late_pack: bool = False,
+    target: int = MAX_CONSUMER_REGISTERS,
 ) -> int:
     """S and O accumulators (m64nN f32: N / 2 a thread), P's 16-bit pairs (block_n / 4;
     two sets with ``overlap``, where P(t) is packed while P V(t-1) still reads P(t-1), one
-    with ``late_pack``, where it is packed once that product has landed)."""
+    with ``late_pack``, where it is packed once that product has landed), and the rest at a
+    setmaxnreg ``target`` (``CONSUMER_OVERHEAD_SHARE``)."""
     p_sets = 2 if overlap and not late_pack else 1
-    return block_n // 2 + head_dim // 2 + p_sets * block_n // 4 + CONSUMER_OVERHEAD_REGISTERS
+    accumulators = block_n // 2 + head_dim // 2 + p_sets * block_n // 4
+    return accumulators + target // CONSUMER_OVERHEAD_SHARE
 
 
 def swizzle_row_bytes(head_dim: int) -> int:
@@ -202,7 +216,7 @@ class WgmmaF16(KernelFamily):
     dtypes = ("bfloat16", "float16")
     arch = "sm_90a"
     tunables = (
-        Tunable("consumers", 2, (1, 2)),
+        Tunable("consumers", 2, (1, 2, 3)),
         Tunable("block_n", 128, BLOCK_NS),
         Tunable("stages", 2, (2, 3, 4)),
         Tunable("blocks_per_sm", 1, (1, 2)),
@@ -234,7 +248,7 @@ class WgmmaF16(KernelFamily):
         shared = wgmma_f16_shared_bytes(consumers, block_n, stages, d)
         registers = consumer_registers(consumers, blocks_per_sm, device.registers_per_sm)
         needed = consumer_registers_needed(
-            block_n, d, bool(params.overlap), bool(params.late_pack)
+            block_n, d, bool(params.overlap), bool(params.late_pack), registers
         )
         row_blocks = div_ceil(n, block_m)
         slots = device.sm_count * blocks_per_sm  # blocks resident at once
@@ -246,8 +260,8 @@ class WgmmaF16(KernelFamily):
             reason = f"wgmma and setmaxnreg need sm_90a; the device is {device.arch}"
         elif d not in HEAD_DIMS:
             reason = f"head_dim={d} is not one of {HEAD_DIMS} (whole swizzle rows)"
-        elif consumers not in (1, 2):
-            reason = f"consumers={consumers}: one or two consumer warpgroups"
+        elif consumers not in (1, 2, 3):
+            reason = f"consumers={consumers}: one to three consumer warpgroups"
         elif block_n not in BLOCK_NS:
             reason = f"block_n={block_n} is not one of {BLOCK_NS}"
         elif not 2 <= stages <= 4:
@@ -256,8 +270,8 @@ class WgmmaF16(KernelFamily):
             reason = f"overlap={params.overlap}: 0 or 1"
         elif params.pingpong not in (0, 1):
             reason = f"pingpong={params.pingpong}: 0 or 1"
-        elif params.pingpong and (consumers != 2 or not params.overlap):
-            reason = "the ping-pong takes turns between two consumers, with overlap=1"
+        elif params.pingpong and (consumers < 2 or not params.overlap):
+            reason = "the ping-pong takes turns between two or three consumers, with overlap=1"
         elif params.late_pack not in (0, 1):
             reason = f"late_pack={params.late_pack}: 0 or 1"
         elif params.late_pack and not params.overlap:
@@ -355,6 +369,19 @@ class WgmmaF16(KernelFamily):
             feasible=not reason,
             reason=reason,
         )
+
+    def coherent(self, values: Mapping[str, int]) -> bool:
+        """The ping-pong orders two or three overlapped consumers, late packing orders the
+        overlapped loop, and two blocks share an SM only with one consumer each."""
+        overlapped = values["overlap"] == 1
+        return not (
+            (values["pingpong"] == 1 and (values["consumers"] < 2 or not overlapped))
+            or (values["late_pack"] == 1 and not overlapped)
+            or (values["blocks_per_sm"] == 2 and values["consumers"] != 1)
+        )
+
+    def split_count(self, problem: Problem, values: Mapping[str, int]) -> int | None:
+        return splits_over_key_tiles(problem, values)
 
     def compile_defines(self, plan: KernelPlan) -> dict[str, int]:
         p, params = plan.problem, plan.params
