@@ -13,6 +13,7 @@ from tuner.costmodel import (
     LAUNCH_OVERHEAD_MS,
     CostParams,
     Prediction,
+    calibrated,
     predict,
     predict_time_ms,
     rank_correlation,
@@ -268,3 +269,36 @@ def test_few_blocks_with_little_in_flight_are_latency_bound():
     assert deep.kernel_ms < shallow.kernel_ms
     no_latency = predict(plan(2), H200, CostParams(dram_latency_us=0.0, overlap=64.0))
     assert no_latency.kernel_ms < shallow.kernel_ms
+
+
+def test_softmax_streams_hide_the_softmax_and_shared_operands_contend():
+    """The wgmma terms: a consumer's softmax runs under another's GEMMs (and its own, with
+    the overlap), never making a plan slower; with no hiding and no contention the model is
+    the one before the terms (softmax and matmuls add up, shared memory only bounds)."""
+    problem = Problem(4096, 64, batch=4, heads=16, dtype="bfloat16")
+    plain = plan_kernel(problem, KernelParams("wgmma_f16", consumers=2), H200)
+    overlapped = plan_kernel(problem, KernelParams("wgmma_f16", consumers=2, overlap=1), H200)
+    assert plain.kernel_family.cost_terms(plain).softmax_streams == 2
+    assert overlapped.kernel_family.cost_terms(overlapped).softmax_streams == 4
+    assert predict(overlapped, H200).time_ms < predict(plain, H200).time_ms
+    params = calibrated()
+    assert 0 < params.softmax_hiding < 1 and params.shared_contention < 64
+    off = dataclasses.replace(params, softmax_hiding=0.0, shared_contention=1e9)
+    assert predict(overlapped, H200, off).time_ms == pytest.approx(
+        predict(plain, H200, off).time_ms
+    )
+    # more hiding is never slower; more contention (a smaller p) never faster
+    for plan in (plain, overlapped):
+        times = [
+            predict(plan, H200, dataclasses.replace(params, softmax_hiding=h)).time_ms
+            for h in (0.0, 0.2, 0.5, 0.9)
+        ]
+        assert times == sorted(times, reverse=True)
+        contended = [
+            predict(plan, H200, dataclasses.replace(params, shared_contention=q)).time_ms
+            for q in (1.0, 1.5, 4.0, 64.0)
+        ]
+        assert contended == sorted(contended, reverse=True)
+    # a family of synchronous matmuls (one stream, operands through ldmatrix) is unchanged
+    mma = plan_kernel(problem, KernelParams("mma_f16"), H200)
+    assert predict(mma, H200).time_ms == predict(mma, H200, off).time_ms

@@ -48,6 +48,8 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_ilp": (1.0, 256.0),
     "overlap": (1.0, 32.0),
     "overlap_synchronous": (1.0, 32.0),
+    "softmax_hiding": (0.01, 0.95),
+    "shared_contention": (1.0, 64.0),
 }
 #: where a fit starts: datasheet rates, a DRAM latency of the order Hopper's is
 #: measured at (about 0.5-1 us under load), L2 at about twice DRAM's bandwidth
@@ -64,6 +66,8 @@ START = CostParams(
     max_ilp=32.0,
     overlap=4.0,
     overlap_synchronous=2.0,
+    softmax_hiding=0.2,
+    shared_contention=2.0,
 )
 _PIPE_CONSTANTS = {
     "ffma": "ffma_efficiency",
@@ -148,8 +152,9 @@ def loss(params: CostParams, grids: Sequence[Grid], device: DeviceProfile) -> fl
 
 
 def fitted_constants(grids: Sequence[Grid]) -> list[str]:
-    """The constants the grids identify: all but the efficiencies of pipes no plan uses
-    and the overlap of a kind of kernel (pipelined or not) no plan is."""
+    """The constants the grids identify: all but the efficiencies of pipes no plan uses,
+    the overlap of a kind of kernel (pipelined or not) no plan is, and the softmax hiding
+    and shared-memory contention where no plan has several streams or wgmma operands."""
     pipes = set().union(*(grid.pipes for grid in grids)) if grids else set()
     unused = {_PIPE_CONSTANTS[pipe] for pipe in PIPES if pipe not in pipes}
     kinds = {bool(value) for grid in grids for value in grid.table["pipelined"]}
@@ -157,6 +162,10 @@ def fitted_constants(grids: Sequence[Grid]) -> list[str]:
         unused.add("overlap")
     if False not in kinds:
         unused.add("overlap_synchronous")
+    if not any((grid.table["softmax_streams"] > 1).any() for grid in grids):
+        unused.add("softmax_hiding")
+    if not any((grid.table["shared_operands"] > 0).any() for grid in grids):
+        unused.add("shared_contention")
     return [name for name in BOUNDS if name not in unused]
 
 

@@ -117,6 +117,13 @@ class CostParams:
     overlap: float = 64.0
     #: the same for kernels that load, wait at a barrier, then compute
     overlap_synchronous: float = 64.0
+    #: the share of the shorter of softmax and matmul time that a second independent
+    #: stream hides under the other (``CostTerms.softmax_streams``: s streams hide
+    #: 1 - (1 - this)^(s - 1) of it); 0: they add up whatever the streams
+    softmax_hiding: float = 0.0
+    #: p of the p-norm that combines compute and shared-memory time where the matmuls read
+    #: their operands from shared memory (``CostTerms.shared_operands``); large: the slower
+    shared_contention: float = 64.0
 
     def efficiency_of(self, pipe: MatmulPipe) -> float:
         return (
@@ -199,6 +206,8 @@ FEATURES = (
     "bytes_in_flight",  # per block
     "pipelined",  # 1: loads overlap the math (CostTerms.pipelined)
     "imbalance",  # the busiest block's work over the mean (CostTerms.imbalance)
+    "softmax_streams",  # streams whose softmax runs under another's matmuls
+    "shared_operands",  # 1: the matmuls read shared memory themselves (wgmma)
 )
 
 
@@ -234,6 +243,8 @@ def plan_features(plan: KernelPlan, device: DeviceProfile) -> tuple[float, ...]:
         float(terms.bytes_in_flight),
         float(terms.pipelined),
         float(terms.imbalance),
+        float(terms.softmax_streams),
+        float(terms.shared_operands),
     )
 
 
@@ -290,11 +301,11 @@ def model_times(
             [matmul_rate(pipe, device) * params.efficiency_of(pipe) for pipe in PIPES]
         )
         issue_rate = params.issue_efficiency * device.peak_fp32_tflops * 1e12 / 2
-        compute = (
-            f["matmul_flops"] / pipe_rates[f["pipe"].astype(int)]
-            + f["instructions"] / issue_rate
-            + f["exps"] / (issue_rate / SFU_SLOWDOWN)
-        )
+        matmul = f["matmul_flops"] / pipe_rates[f["pipe"].astype(int)]
+        softmax = f["instructions"] / issue_rate + f["exps"] / (issue_rate / SFU_SLOWDOWN)
+        # the shorter side runs under the longer to the extent independent streams hide it
+        hidden = 1.0 - (1.0 - params.softmax_hiding) ** (f["softmax_streams"] - 1.0)
+        compute = np.maximum(matmul, softmax) + (1.0 - hidden) * np.minimum(matmul, softmax)
         shared_rate = (
             device.shared_bandwidth_bytes_per_clock_per_sm
             * device.sm_count
@@ -305,7 +316,10 @@ def model_times(
         efficiency = latency_efficiency_of(f["resident"], f["warps"], f["ilp"], params)
         sm_slowdown = _sm_slowdown(f, device, params)
         memory = memory_full * _memory_slowdown(f, device, params, dram_rate)
-        sm_side = np.maximum(compute, shared) * sm_slowdown
+        busier = np.maximum(compute, shared)
+        q = params.shared_contention
+        contended = busier * ((compute / busier) ** q + (shared / busier) ** q) ** (1 / q)
+        sm_side = np.where(f["shared_operands"] > 0, contended, busier) * sm_slowdown
         p = np.where(f["pipelined"] > 0, params.overlap, params.overlap_synchronous)
         scale = np.maximum(memory, sm_side)
         kernel = scale * ((memory / scale) ** p + (sm_side / scale) ** p) ** (1 / p)

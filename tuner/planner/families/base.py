@@ -93,6 +93,12 @@ class CostTerms:
     replay, the model backend); 0: no estimate (shared memory and threads alone).
     ``imbalance``: the busiest block's work over the mean block's (>= 1; a persistent
     grid whose blocks carry unequal shares of a work list), which the kernel's time scales by.
+    ``softmax_streams``: independent instruction streams of an SM whose softmax can run
+    while another's matmuls are in the tensor cores (asynchronous ``wgmma``: one a consumer
+    warpgroup, two with the intra-warpgroup overlap); 1: the softmax and the matmuls add up.
+    ``shared_operands``: the matmuls read their operands from shared memory themselves
+    (``wgmma`` descriptors), so the bank traffic contends with the math rather than only
+    bounding it.
     """
 
     matmul_pipe: MatmulPipe
@@ -107,6 +113,8 @@ class CostTerms:
     registers: int = 0
     matmuls_per_pair: int = 2
     imbalance: float = 1.0
+    softmax_streams: int = 1
+    shared_operands: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -464,6 +464,11 @@ class WgmmaF16(KernelFamily):
             pipelined=True,
             bytes_in_flight=(params.stages - 1) * 2 * block_n * d * ELEMENT_BYTES,
             imbalance=imbalance,
+            # each consumer's softmax can run under another's GEMMs, and with the overlap
+            # under its own P V as well; the S and P V products read Q, K and V from shared
+            # memory through their descriptors
+            softmax_streams=consumers * (1 + params.overlap),
+            shared_operands=True,
         )
 
 
