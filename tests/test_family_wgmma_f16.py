@@ -96,8 +96,8 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
         ({"stages": 5}, BF16, "2 to 4 stages"),
         ({"consumers": 4}, BF16, "one to three consumer warpgroups"),
         # three consumers get 160 registers: 128-key tiles at head_dim 128 need 64 + 64 + 32
-        # + 160 / 6
-        ({"consumers": 3}, BF16, "needs about 186 registers; setmaxnreg can give 160"),
+        # + 16 + 160 / 10
+        ({"consumers": 3}, BF16, "needs about 192 registers; setmaxnreg can give 160"),
         ({"consumers": 3, "blocks_per_sm": 2}, BF16, "2 only with 1"),
         ({"blocks_per_sm": 2, "consumers": 2}, BF16, "2 only with 1"),
         ({"pingpong": 1, "overlap": 0}, BF16, "two or three consumers, with overlap=1"),
@@ -137,10 +137,13 @@ def test_the_register_split_is_judged(registered: None) -> None:
     assert consumer_registers_needed(176, 128, overlap=True, late_pack=True) == 236
     assert consumer_registers_needed(80, 256, overlap=True, late_pack=True) == 228
     assert plan(block_n=176, overlap=1, late_pack=1).feasible
-    # three consumers: 160 a consumer, 26 of it besides the accumulators (ptxas, nvcc 13.0:
-    # late-packed 128-key tiles at head_dim 64 compile clean at 160, 144-key ones spill)
+    # three consumers: 160 a consumer, 32 of it besides the accumulators (ptxas, nvcc 13.0:
+    # late-packed 128-key tiles at head_dim 64 compile clean at 160, 112-key ones at 96 spill)
     assert consumer_registers(3, 1, 65536) == 160
-    assert consumer_registers_needed(128, 64, True, True, target=160) == 64 + 32 + 32 + 26
+    assert consumer_registers_needed(128, 64, True, True, target=160) == 64 + 32 + 32 + 32
+    hd96 = Problem(4096, 96, batch=4, heads=16, dtype="bfloat16")
+    assert "needs about 164" in plan(hd96, consumers=3, block_n=112, overlap=1, late_pack=1).reason
+    assert plan(hd96, consumers=3, block_n=96, overlap=1, late_pack=1).feasible
     hd64 = Problem(4096, 64, batch=4, heads=16, dtype="bfloat16")
     three = plan(hd64, consumers=3, overlap=1, pingpong=1, late_pack=1)
     assert three.feasible, three.reason
@@ -153,8 +156,8 @@ def test_the_register_split_is_judged(registered: None) -> None:
     assert plan(overlap=1).feasible
     assert plan(overlap=2).reason == "overlap=2: 0 or 1"
     small = dataclasses.replace(H200, registers_per_sm=32768)
-    p = plan(device=small)  # (256 - 24) / 2 = 116, 112 in steps of 8; 160 + 112 / 6 needed
-    assert not p.feasible and "needs about 178 registers; setmaxnreg can give 112" in p.reason
+    p = plan(device=small)  # (256 - 24) / 2 = 116, 112 in steps of 8; 160 + 16 + 11 needed
+    assert not p.feasible and "needs about 187 registers; setmaxnreg can give 112" in p.reason
 
 
 def test_tma_and_swizzle_limits() -> None:

@@ -83,15 +83,17 @@ MAX_CONSUMER_REGISTERS = 240
 SETMAXNREG_STEP = 8
 SM90_REGISTERS_PER_SM = 65536
 #: a consumer thread's registers besides its accumulators and P fragments (addresses, row
-#: statistics, loop state, and what ptxas spends on scheduling: more where it has more) are
-#: about a sixth of its setmaxnreg target. Calibrated on ptxas (nvcc 13.0, sm_90a):
+#: statistics, loop state, and what ptxas spends on scheduling: more where it has more):
+#: 16 and a tenth of its setmaxnreg target. Calibrated on ptxas (nvcc 13.0, sm_90a):
 #: at 240 a consumer (overhead 40), late-packed 176-key tiles at head_dim 128 (S + P + O =
 #: 196) and 80-key tiles at 256 (188) compile clean, 192-key tiles at 128 (208) spill; two-set
 #: 128-key tiles at 128 (192) compile clean, 80-key ones at 256 (208) spill. At 160 (three
-#: consumers, overhead 26), late-packed 128-key tiles at head_dim 64 (128) and 96-key ones at
-#: 96 (120) compile clean, 144-key ones at 64 (140) spill 192 B. The compiler's report
-#: (spills, serialised wgmma) is the final word; this screens the rest.
-CONSUMER_OVERHEAD_SHARE = 6
+#: consumers, overhead 32), late-packed 128-key tiles at head_dim 64 (128) and 96-key ones at
+#: 96 (120) compile clean, 112-key ones at 96 (132) spill 24-156 B, 144-key ones at 64 (140)
+#: 192 B. The compiler's report (spills, serialised wgmma) is the final word; this screens
+#: the rest.
+CONSUMER_OVERHEAD_REGISTERS = 16
+CONSUMER_OVERHEAD_PER_TARGET = 10
 #: the kernel's head dims (whole swizzle rows) and key tiles (wgmma N of the S product)
 HEAD_DIMS = (64, 96, 128, 192, 256)
 #: (any whole number of k16 steps for P V; FlashAttention-3 takes 176 at head_dim 128, 144
@@ -133,10 +135,10 @@ def consumer_registers_needed(
     """S and O accumulators (m64nN f32: N / 2 a thread), P's 16-bit pairs (block_n / 4;
     two sets with ``overlap``, where P(t) is packed while P V(t-1) still reads P(t-1), one
     with ``late_pack``, where it is packed once that product has landed), and the rest at a
-    setmaxnreg ``target`` (``CONSUMER_OVERHEAD_SHARE``)."""
+    setmaxnreg ``target`` (``CONSUMER_OVERHEAD_REGISTERS``)."""
     p_sets = 2 if overlap and not late_pack else 1
     accumulators = block_n // 2 + head_dim // 2 + p_sets * block_n // 4
-    return accumulators + target // CONSUMER_OVERHEAD_SHARE
+    return accumulators + CONSUMER_OVERHEAD_REGISTERS + target // CONSUMER_OVERHEAD_PER_TARGET
 
 
 def swizzle_row_bytes(head_dim: int) -> int:
