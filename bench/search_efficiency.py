@@ -81,7 +81,7 @@ from tuner.planner.space import candidate_space
 from tuner.planner.tunable import KernelPlan
 from tuner.precompile import precompile
 from tuner.problem import Problem
-from tuner.recorded_space import recorded_tunables, unrecorded_reason
+from tuner.recorded_space import within_recording
 from tuner.search import encoding_for, run_search
 from tuner.study_space import StudySpace
 from tuner.trials import SearchResult, TrialOutcome
@@ -342,15 +342,9 @@ def setup_problem(
         recorded = [f for f in recorded if f == family]
     axes = space_axes_from(SearchConfig(families=recorded))
     space = candidate_space(recording.problem, device, axes)
-    feasible: list[KernelPlan] = []
-    compiled_out: list[KernelPlan] = []
-    known = recorded_tunables(recording)
-    for plan in space.feasible:
-        reason = unrecorded_reason(plan, known) or recording.rejection(plan.key())
-        if reason:
-            compiled_out.append(dataclasses.replace(plan, feasible=False, reason=reason))
-        else:
-            feasible.append(plan)
+    # the replay's one rule (the tuner's too): a tunable or choice added since, what the
+    # recording's compiler ruled out, and a key it lacks (a third consumer, a new key tile)
+    feasible, compiled_out = within_recording(list(space.feasible), recording)
     if resources:
         feasible, judged_out = ptxas_resources.judged(feasible, _reports(resources), device)
         compiled_out += judged_out

@@ -101,6 +101,7 @@ def compile_step(recording: Path, jobs: int) -> dict[str, Any]:
     from tuner.costmodel import predict
     from tuner.planner.space import candidate_space
     from tuner.precompile import CompileAhead, precompile
+    from tuner.recorded_space import within_recording
     from tuner.search import run_search
     from tuner.study_space import StudySpace
 
@@ -108,7 +109,7 @@ def compile_step(recording: Path, jobs: int) -> dict[str, Any]:
     device = device_profile_from(DeviceConfig())
     axes = space_axes_from(SearchConfig(families=list(loaded.source_hashes)))
     space = candidate_space(loaded.problem, device, axes)
-    feasible = [p for p in space.feasible if not loaded.rejection(p.key())]
+    feasible, _ = within_recording(list(space.feasible), loaded)  # what a replay answers
     variants = {build.KernelSpec.from_plan(p).key for p in space.feasible}
     with tempfile.TemporaryDirectory(prefix="cubins-") as cache:
         began = time.monotonic()
