@@ -54,12 +54,14 @@
 // kv_len, group, keys_per_split, scale_log2 and the variant arguments of
 // include/fa/variant.cuh; the split-KV contract of include/fa/split_kv.cuh, its masks and
 // score modifications) and batch_heads (batch * heads: the persistent queue's length is
-// row blocks x batch_heads), preceded by three tensor maps built on the host with
-// cuTensorMapEncodeTiled (tuner/planner/families/wgmma_f16.py, kernels/tensor_maps.py):
+// row blocks x batch_heads), preceded by three tensor maps (four with STAGED_STORE = 2) built
+// on the host with cuTensorMapEncodeTiled (tuner/planner/families/wgmma_f16.py,
+// kernels/tensor_maps.py):
 //   q_map: bf16/fp16, dims {HEAD_DIM, seq_len, batch * heads}, strides {HEAD_DIM * 2,
 //          seq_len * HEAD_DIM * 2} bytes, box {C, 64, 1}, SWIZZLE_128B (C = 64) or
 //          SWIZZLE_64B (C = 32), OOB fill zeros;
-//   k_map, v_map: dims {HEAD_DIM, kv_len, batch * kv_heads}, box {C, BLOCK_N, 1}, same.
+//   k_map, v_map: dims {HEAD_DIM, kv_len, batch * kv_heads}, box {C, BLOCK_N, 1}, same;
+//   o_map (STAGED_STORE = 2 only, after v_map): the q_map's twin over `out`.
 // Rows past seq_len / kv_len of a head come in as zeros (the third dimension keeps a
 // tile from reading the next head); keys past kv_len are masked to -inf besides.
 //   dynamic shared bytes = SMEM_BYTES below (1024 of slack for aligning the base)
@@ -100,7 +102,7 @@
 #define PINGPONG 0  // 1: FA3's inter-warpgroup ping-pong (two consumers, with OVERLAP)
 #endif
 #ifndef STAGED_STORE
-#define STAGED_STORE 0  // 1: O goes out through shared memory in whole 16-byte rows
+#define STAGED_STORE 0  // O through shared memory: 1 in whole 16-byte rows, 2 by TMA stores
 #endif
 #ifndef PERSISTENT
 #define PERSISTENT 0  // 1: a block per SM slot walks a queue of row blocks (see WorkQueue)
@@ -142,6 +144,7 @@ static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "the ping-pong: 2 or 3 c
 static_assert(!LATE_PACK || OVERLAP, "late packing: a choice of the overlapped loop");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
 static_assert(PERSISTENT == 0 || PERSISTENT == 1, "persistent: 0 or 1");
+static_assert(STAGED_STORE >= 0 && STAGED_STORE <= 2, "staged store: 0, 1 or 2 (TMA)");
 static_assert(SMEM_BYTES <= 232448, "227 KB of shared memory a block on sm_90");
 static_assert(BLOCKS_PER_SM * SMEM_BYTES <= 233472, "228 KB of shared memory an SM");
 static_assert(BLOCKS_PER_SM * (PRODUCER_REGISTERS + CONSUMER_REGISTERS * CONSUMERS) * 128 <= 65536,
@@ -235,9 +238,15 @@ struct GemmTurns {
 // then each thread moves whole 16-byte units of a row to global memory: full 32-byte sectors,
 // where the fragment's own stores write 16 bytes of a row per quad of lanes (half of each
 // sector: Nsight Compute on the H200, 2026-12-04).
+// STAGED_STORE = 2: the TMA writes the tile (o_map, the Q map's twin over the output; rows
+// past seq_len are not written), issued by the warpgroup's first thread once every thread's
+// writes are fenced to the async proxy and the warpgroup has met; that thread waits until the
+// TMA has read the tile before its warp releases it (release_q) or the block exits. The
+// consumer's threads no longer load the tile back and store it themselves.
 __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, const float* o_acc,
                                              const float (&inv)[2], int wg_row0, int consumer,
-                                             int seq_len, int warp, int lane) {
+                                             int seq_len, int warp, int lane,
+                                             const CUtensorMap* o_map, int bh) {
     // Its 40 swizzled offsets depend on the thread only: a persistent block's consumers would
     // compute them once, above the work loop, and keep them live through it (ptxas spilled
     // them, 396 B, at head_dim 128).
@@ -256,6 +265,19 @@ __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, cons
             fa::st_shared_u32(tile + fa::swizzled_offset<SWIZZLE_BYTES>(64, row, 2 * column),
                               pair);
         }
+    }
+    if (STAGED_STORE == 2) {
+        fa::fence_proxy_async_shared();  // this thread's writes, before the TMA reads them
+        fa::named_barrier_sync(STAGED_STORE_BARRIER + consumer, 128);
+        if (warp == 0 && lane == 0) {
+#pragma unroll
+            for (int chunk = 0; chunk < CHUNKS; ++chunk)
+                fa::tma_store_3d(o_map, tile + chunk * 64 * SWIZZLE_BYTES, chunk * CHUNK_COLS,
+                                 wg_row0, bh);
+            fa::bulk_commit();
+            fa::bulk_wait_read<0>();
+        }
+        return;
     }
     fa::named_barrier_sync(STAGED_STORE_BARRIER + consumer, 128);
     constexpr int UNITS = HEAD_DIM * 2 / 16;  // 16-byte units of a row
@@ -312,7 +334,11 @@ struct RingSlot {
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                     const __grid_constant__ CUtensorMap k_map,
-                    const __grid_constant__ CUtensorMap v_map, const elem_t* __restrict__ q,
+                    const __grid_constant__ CUtensorMap v_map,
+#if STAGED_STORE == 2
+                    const __grid_constant__ CUtensorMap o_map,
+#endif
+                    const elem_t* __restrict__ q,
                     const elem_t* __restrict__ k, const elem_t* __restrict__ v,
                     elem_t* __restrict__ out, float* __restrict__ partial_o,
                     float* __restrict__ partial_lse, int seq_len, int kv_len, int group,
@@ -359,6 +385,9 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
             fa::prefetch_tensor_map(&q_map);
             fa::prefetch_tensor_map(&k_map);
             fa::prefetch_tensor_map(&v_map);
+#if STAGED_STORE == 2
+            fa::prefetch_tensor_map(&o_map);
+#endif
             int ring = 0;  // K/V tiles through the ring so far
             int items = 0;
             for (int item = work.first; item < work.end; item += work.stride, ++items) {
@@ -519,7 +548,11 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                 __syncwarp();
                 if (lane == 0) fa::mbar_arrive(v_empty + 8 * previous.stage);
                 if (LATE_PACK) pack_p(s_acc, p_next);  // into the set P V(t-1) has done reading
+#if FA_RESCALE_SLACK > 0
+                fa::rescale_rows_if_moved<O_REGS / 4>(o_acc, correction);
+#else
                 fa::rescale_rows<O_REGS / 4>(o_acc, correction);
+#endif
             };
             auto last_product = [&](const uint32_t(*p_last)[4]) {
                 const RingSlot last(ring + tiles.count - 1);
@@ -588,8 +621,13 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                         lse[(size_t)bh * seq_len + row] = fa::lse_natural(result.lse2);
                 }
                 if (STAGED_STORE) {
+#if STAGED_STORE == 2
+                    const CUtensorMap* o_tensor = &o_map;
+#else
+                    const CUtensorMap* o_tensor = nullptr;
+#endif
                     staged_store(out_bh, q_tile, o_acc, inv, wg_row0, consumer, seq_len, warp,
-                                 lane);
+                                 lane, o_tensor, bh);
                     release_q();
                 }
             } else {

@@ -197,3 +197,32 @@ def test_tensor_map_arguments_are_encoded_once_and_follow_the_call() -> None:
     )
     with pytest.raises(BackendError, match=r"tensor map over 'q' at an address"):
         attention_handle.launch_templates((alien,), {"wgmma_f16_attention": 1})
+
+
+def test_an_output_map_follows_the_call_s_output() -> None:
+    """TMA stores (staged_store=2): the fourth map, over out, is re-pointed at each call's
+    output as the others are at q, k and v."""
+    problem = Problem(1000, 128, batch=2, heads=8, kv_heads=2, kv_len=1500, dtype="bfloat16")
+    params = KernelParams("wgmma_f16", consumers=2, block_n=128, stages=2, overlap=1,
+                          staged_store=2)
+    plan = plan_kernel(problem, params, H200)
+    assert plan.feasible, plan.reason
+    launches = launch_sequence(plan, attention_handle.BUFFER_MARKERS)
+    templates = attention_handle.launch_templates(launches, {"wgmma_f16_attention": 1})
+    assert [t.buffer for t in templates[0].arguments[:4]] == ["q", "k", "v", "out"]
+    library = TensorMapLibrary()
+    handle = attention_handle.AttentionHandle(
+        problem, 0, plan_choice.ChosenPlan(plan, "default"), templates,
+        buffer_elements(plan), cuda_driver.CudaDriver(library=library), None,
+    )
+    slot = handle.new_slot(0, lambda nbytes: (None, 0))
+    (packed,) = slot.packed
+    assert library.encoded == 4
+
+    def map_address(index: int) -> int:
+        return (ctypes.c_uint64 * 4).from_address(packed.params[index])[0]
+
+    handle.launch(slot, 0x10000, 0x20000, 0x30000, 0x40000)
+    assert [map_address(i) for i in range(4)] == [0x10000, 0x20000, 0x30000, 0x40000]
+    handle.launch(slot, 0x10000, 0x20000, 0x30000, 0x50000)  # only out moved
+    assert library.replaced == 5 and map_address(3) == 0x50000

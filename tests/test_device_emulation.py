@@ -192,6 +192,21 @@ WGMMA_FORWARD_CASES = [
         {"consumers": 3, "block_n": 96, "overlap": 1, "pingpong": 1, "persistent": 1},
         2,
     ),
+    # the epilogue by TMA stores (FlashAttention-3's): the staged tile goes out through the
+    # output's tensor map, at head_dim 96 (the 64-byte swizzle, three column chunks); 130 rows
+    # end mid-block, so the TMA must not write the rows past seq_len (the next head's)
+    (
+        Problem(130, 96, heads=2, kv_len=200, causal=True, dtype="bfloat16"),
+        {"block_n": 96, "overlap": 1, "pingpong": 1, "staged_store": 2},
+        None,
+    ),
+    # TMA stores on the persistent queue: the tile is released (q_empty) only once the TMA
+    # has read it, and the next item's Q lands in it
+    (
+        Problem(330, 128, heads=2, causal=True, dtype="float16"),
+        {"overlap": 1, "pingpong": 1, "staged_store": 2, "persistent": 1},
+        2,
+    ),
     # the persistent queue (heaviest first under causal), one consumer, 64-key tiles, float16
     (
         Problem(200, 64, heads=3, causal=True, dtype="float16"),

@@ -103,7 +103,7 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
         ({"pingpong": 1, "overlap": 0}, BF16, "two or three consumers, with overlap=1"),
         ({"pingpong": 1, "overlap": 1, "consumers": 1}, BF16, "two or three consumers"),
         ({"pingpong": 2, "overlap": 1}, BF16, "pingpong=2: 0 or 1"),
-        ({"staged_store": 2}, BF16, "staged_store=2: 0 or 1"),
+        ({"staged_store": 3}, BF16, "staged_store=3: 0, 1 (16-byte rows) or 2 (TMA stores)"),
         ({"staged_store": 1, "split_target": 2}, Problem(64, 128, kv_len=8192, dtype="bfloat16"),
          "staged_store stores a whole output"),
         # 32768 + 4 x 65536 + ... > 232448
@@ -212,6 +212,27 @@ def test_the_ping_pong_is_a_tunable_of_the_overlapped_two_consumer_plan(register
     assert "#ifndef PINGPONG" in source and "fa::named_barrier_sync(1 + consumer, 256)" in source
 
 
+def test_tma_stores_add_the_output_map_after_v(registered: None) -> None:
+    """staged_store=2: the epilogue's TMA stores go through a fourth map, the Q map's twin
+    over the output (same dims, strides, box and swizzle); the kernel takes it after v_map."""
+    problem = Problem(1000, 96, batch=2, heads=8, kv_heads=2, causal=True, dtype="bfloat16")
+    p = plan(problem, consumers=2, block_n=128, stages=2, overlap=1, pingpong=1, staged_store=2)
+    assert p.feasible, p.reason
+    assert FAMILY.key(p) == "wgmma_f16/c2/n128/st2/b1/o1/p1/ts/s1"
+    assert FAMILY.compile_defines(p)["STAGED_STORE"] == 2
+    (attention,) = FAMILY.launches(p, DeviceBuffers(0x1000, 0x2000, 0x3000, 0x4000))
+    q_map, _, _, o_map = attention.args[:4]
+    assert (o_map.buffer, o_map.address) == ("out", 0x4000)
+    assert dataclasses.replace(o_map, buffer="q", address=0x1000) == q_map
+    assert [int(a) for a in attention.args[4:8]] == [0x1000, 0x2000, 0x3000, 0x4000]
+    source = KERNEL.read_text()
+    assert "const __grid_constant__ CUtensorMap o_map," in source
+    # a split's partials are float32 rows, not the output: no TMA stores there
+    split = plan(Problem(64, 128, kv_len=8192, dtype="bfloat16"), overlap=1, staged_store=2,
+                 split_target=2)
+    assert "staged_store stores a whole output" in split.reason
+
+
 def test_head_dim_96_takes_the_64_byte_swizzle(registered: None) -> None:
     # 192-byte rows: three 32-column chunks in the 64-byte swizzle (FlashAttention-3's and
     # CUTLASS's choice for a K extent of 96); the kernel derives the same span from HEAD_DIM.
@@ -253,7 +274,7 @@ def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> No
     split_target=st.sampled_from([1, 2, 8, 1 << 16]),
     overlap=st.sampled_from([0, 1]),
     pingpong=st.sampled_from([0, 1]),
-    staged_store=st.sampled_from([0, 1]),
+    staged_store=st.sampled_from([0, 1, 2]),
     persistent=st.sampled_from([0, 1]),
 )
 def test_feasible_plans_keep_the_kernels_contract(
@@ -273,7 +294,12 @@ def test_feasible_plans_keep_the_kernels_contract(
     # the staged epilogue stores a whole output, never a split's partials
     assert not pingpong or (consumers == 2 and overlap == 1)
     assert not staged_store or p.sequence_splits == 1
-    assert ("/p1" in p.key()) == bool(pingpong) and ("/ss" in p.key()) == bool(staged_store)
+    assert ("/p1" in p.key()) == bool(pingpong)
+    assert ("/ss" in p.key()) == (staged_store == 1) and ("/ts" in p.key()) == (staged_store == 2)
+    # the output's map comes fourth with TMA stores only
+    maps = [a for a in FAMILY.launches(p, DeviceBuffers(16, 32, 48, 64, 80, 96))[0].args
+            if isinstance(a, TensorMap)]
+    assert [m.buffer for m in maps] == ["q", "k", "v"] + ["out"] * (staged_store == 2)
     assert ("/ps" in p.key()) == bool(persistent)
     assert p.launch.shared_bytes <= H200.max_shared_memory_per_block_optin
     assert blocks_per_sm * (p.launch.shared_bytes + 1024) <= H200.shared_memory_per_sm

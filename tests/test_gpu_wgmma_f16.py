@@ -32,7 +32,8 @@ NAMES = ("consumers", "block_n", "stages", "blocks_per_sm", "overlap", "split_ta
          "pingpong", "staged_store", "persistent", "late_pack")
 #: two consumer warpgroups and one (two blocks an SM), 64- and 128-key tiles, 2-4 stages,
 #: with and without the softmax/P V overlap and the ping-pong, the output from registers or
-#: staged through shared memory, split targets giving several splits, and persistent blocks
+#: staged through shared memory (in 16-byte rows or by TMA stores), split targets giving
+#: several splits, and persistent blocks
 PLANS = (
     (2, 128, 2, 1, 0, 1 << 16, 0, 0, 0),
     (2, 128, 3, 1, 1, 1 << 16, 0, 0, 0),
@@ -47,6 +48,9 @@ PLANS = (
     (2, 128, 3, 1, 1, 1 << 16, 1, 1, 1),
     (1, 64, 2, 2, 1, 1 << 16, 0, 0, 1),
     (2, 64, 3, 1, 1, 1 << 16, 0, 1, 1),
+    # the epilogue by TMA stores (staged_store 2), one block a row block and persistent
+    (2, 128, 3, 1, 1, 1 << 16, 1, 2, 0),
+    (2, 64, 3, 1, 1, 1 << 16, 1, 2, 1),
 )
 #: size-only verdicts: the plans are run anyway (a persistent plan of a few row blocks
 #: walks one each)
@@ -158,10 +162,12 @@ DEPLOY_STORED = {
 DEPLOY_PERSISTENT = DEPLOY_STORED | {
     "split_target": 1 << 16, "pingpong": 1, "staged_store": 1, "persistent": 1
 }
+#: and one storing by TMA through the output's map, which each call re-points at its output
+DEPLOY_TMA_STORE = DEPLOY_PERSISTENT | {"staged_store": 2}
 
 
-@pytest.mark.parametrize("stored_params", [DEPLOY_STORED, DEPLOY_PERSISTENT],
-                         ids=["splits", "persistent"])
+@pytest.mark.parametrize("stored_params", [DEPLOY_STORED, DEPLOY_PERSISTENT, DEPLOY_TMA_STORE],
+                         ids=["splits", "persistent", "tma-store"])
 def test_kernels_attention_serves_a_stored_wgmma_plan(tmp_path, stored_params) -> None:
     """The deploy path with TMA descriptors: a GQA causal bf16 call against a stored wgmma plan
     is right, stays right when the tensors move (the maps are re-pointed), and a CUDA graph of
@@ -284,9 +290,9 @@ KEY_TILE_PLANS = {
          (2, 144, 4, 1, 1, T, 0, 0, 1, 1),
          # three consumers (192-row blocks): the three-way ping-pong, persistent, and split
          (3, 128, 2, 1, 1, T, 1, 0, 0, 1), (3, 96, 3, 1, 1, T, 1, 1, 1, 1),
-         (3, 128, 2, 1, 0, 2, 0, 0, 0, 0)),
+         (3, 128, 2, 1, 0, 2, 0, 0, 0, 0), (3, 128, 2, 1, 1, T, 1, 2, 1, 1)),
     96: ((2, 144, 2, 1, 1, T, 1, 1, 0, 1), (1, 176, 2, 1, 1, 2, 0, 0, 0, 1),
-         (3, 96, 2, 1, 1, T, 1, 0, 0, 1)),
+         (3, 96, 2, 1, 1, T, 1, 0, 0, 1), (3, 96, 4, 1, 1, T, 0, 2, 0, 1)),
     128: ((2, 176, 2, 1, 1, T, 1, 0, 0, 1), (2, 160, 2, 1, 1, T, 1, 1, 1, 1),
           (2, 144, 2, 1, 1, 2, 0, 0, 0, 1), (2, 112, 3, 1, 0, T, 0, 0, 0, 0)),
     192: ((2, 112, 2, 1, 1, T, 1, 1, 0, 1), (2, 96, 2, 1, 1, T, 0, 0, 1, 1)),

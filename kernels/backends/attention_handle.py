@@ -25,7 +25,7 @@ decode meets) share one, sized for the bucket's plan, which no length of the buc
 The roles of the pointer arguments are found by building the family's launches with marker
 addresses (``BUFFER_MARKERS``): any family, any argument order, with no family named here.
 TMA descriptor arguments (``TensorMap``) are encoded once a slot and re-pointed at the call's
-q, k or v only when that address moved (``cuTensorMapReplaceAddress``, one host call a map).
+q, k, v or out only when that address moved (``cuTensorMapReplaceAddress``, one host call a map).
 Import-safe without CUDA or torch: the driver is injected, torch is the caller's module.
 """
 
@@ -101,11 +101,11 @@ def launch_templates(
         arguments: list[str | TensorMap | np.int32 | np.float32 | np.uintp] = []
         for position, value in enumerate(launch.args):
             if isinstance(value, TensorMap):
-                if markers.get(value.address) != value.buffer or value.buffer not in ROLES[:3]:
+                if markers.get(value.address) != value.buffer or value.buffer not in ROLES[:4]:
                     raise BackendError(
                         f"{launch.function} argument {position} is a tensor map over "
-                        f"{value.buffer!r} at an address that is not q's, k's or v's; the deploy "
-                        "path re-points maps over q, k and v only"
+                        f"{value.buffer!r} at an address that is not q's, k's, v's or out's; "
+                        "the deploy path re-points maps over q, k, v and out only"
                     )
                 arguments.append(value)
             elif isinstance(value, np.uintp) and int(value) == 0:
@@ -358,11 +358,9 @@ class AttentionHandle:
             slot.alibi_slopes.value, slot.sinks.value = alibi_slopes, sinks
             slot.scale_log2.value = scale_log2
             slot.lse.value = lse or None
+            addresses = {"q": q, "k": k, "v": v, "out": out}
             for encoded in slot.tensor_maps:
-                address = (
-                    q if encoded.spec.buffer == "q" else k if encoded.spec.buffer == "k" else v
-                )
-                self.driver.replace_tensor_map_address(encoded, address)
+                self.driver.replace_tensor_map_address(encoded, addresses[encoded.spec.buffer])
             for call in slot.calls:
                 status = call()
                 if status:

@@ -129,6 +129,16 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
     return result;
 }
 
+// The vote: whether any lane of the (whole) warp passes `predicate`.
+inline int __any_sync(unsigned, int predicate) {
+    const uint32_t word = predicate != 0;
+    int any = 0;
+    emu::exchange(&word, 1, [&](const uint32_t (*words)[12]) {
+        for (int lane = 0; lane < 32; ++lane) any |= words[lane][0] != 0;
+    });
+    return any;
+}
+
 template <typename T>
 inline T __shfl_sync(unsigned, T value, int source_lane) {
     static_assert(sizeof(T) == 4, "32-bit shuffles only");

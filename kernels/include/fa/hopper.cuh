@@ -57,6 +57,17 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
+// A box of shared memory at `src` (laid out as a load of the same map would leave it) to the
+// tensor map's coordinates (c0, c1, c2), in this thread's current bulk group: elements outside
+// the map's dims are not written. The writing threads' fence.proxy.async and a barrier must
+// come first; bulk_wait_read before `src` is written again (or the block exits).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1,
+                                             int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+
 // ---------------------------------------------------------------- bulk reductions
 
 // `bytes` (a multiple of 16) of float32 at shared `src` added element by element to global

@@ -7,7 +7,8 @@ FlashAttention-3's 192-row blocks of head_dim 64, at 160 registers a consumer); 
 (FlashAttention-3's intra-warpgroup overlap), and with ``pingpong`` as well the consumers take
 turns issuing their GEMMs, round robin (FlashAttention-3's inter-warpgroup ping-pong: one
 group's softmax under the others' GEMMs); with ``staged_store`` a consumer's output goes out
-through its (dead) Q tile in whole 16-byte rows instead of from the fragments; with
+through its (dead) Q tile instead of from the fragments: 1 in whole 16-byte rows by the
+consumer's threads, 2 by TMA stores (FlashAttention-3's epilogue) one thread issues; with
 ``persistent`` a grid of one block per SM slot walks a static queue of row blocks (heaviest
 first under causal), its producer loading the next row block's K, V and Q while the consumers
 finish the last (FlashAttention-3's static persistent scheduler); with ``late_pack`` (and
@@ -106,6 +107,10 @@ NON_MATMUL_FLOPS_PER_PAIR = 5
 BARRIER_BYTES = 8
 #: the kernel rounds its dynamic shared base up to 1024 bytes: it asks for that much more
 ALIGNMENT_SLACK = 1024
+#: ``staged_store``'s value for the epilogue by TMA stores (1: the threads' 16-byte rows)
+TMA_STORE = 2
+#: the plan key's mark of each ``staged_store`` (none when off: keys from before stay valid)
+STORE_KEYS = ("", "/ss", "/ts")
 
 
 def wgmma_f16_shared_bytes(consumers: int, block_n: int, stages: int, head_dim: int) -> int:
@@ -179,14 +184,13 @@ def swizzle_verdict(consumers: int, block_n: int, stages: int, head_dim: int) ->
     return ""
 
 
-def wgmma_tensor_maps(
-    plan: KernelPlan, buffers: DeviceBuffers
-) -> tuple[TensorMap, TensorMap, TensorMap]:
-    """The kernel's Q, K and V maps: 3-D ``{head_dim, rows, heads}`` (row-major
-    ``[heads][rows][head_dim]``), a box of one swizzle row (64 columns in the 128-byte
-    swizzle, 32 in the 64-byte one at head_dim 96) by a consumer's 64 query rows or a
-    ``block_n``-key tile. Rows past a head's end read as zeros, which the kernel masks
-    (keys) or does not store (queries)."""
+def wgmma_tensor_maps(plan: KernelPlan, buffers: DeviceBuffers) -> tuple[TensorMap, ...]:
+    """The kernel's Q, K and V maps, and with ``staged_store=2`` (TMA stores) the output's:
+    3-D ``{head_dim, rows, heads}`` (row-major ``[heads][rows][head_dim]``), a box of one
+    swizzle row (64 columns in the 128-byte swizzle, 32 in the 64-byte one at head_dim 96) by
+    a consumer's 64 query rows or a ``block_n``-key tile. Rows past a head's end read as
+    zeros, which the kernel masks (keys) or does not store (queries); the TMA does not write
+    them."""
     p = plan.problem
     d, row_bytes = p.head_dim, p.head_dim * ELEMENT_BYTES
     swizzle = swizzle_row_bytes(d)
@@ -204,11 +208,14 @@ def wgmma_tensor_maps(
 
     kv_heads = p.batch * p.kv_heads
     block_n = plan.params.block_n
-    return (
+    maps = (
         map_over("q", buffers.q, p.seq_len, p.batch_heads, WARPGROUP_ROWS),
         map_over("k", buffers.k, p.kv_len, kv_heads, block_n),
         map_over("v", buffers.v, p.kv_len, kv_heads, block_n),
     )
+    if plan.params.staged_store == TMA_STORE:
+        maps += (map_over("out", buffers.out, p.seq_len, p.batch_heads, WARPGROUP_ROWS),)
+    return maps
 
 
 class WgmmaF16(KernelFamily):
@@ -226,7 +233,8 @@ class WgmmaF16(KernelFamily):
         Tunable("split_target", 1 << 16, DEFAULT_SPLIT_TARGETS),
         # plans stored before the ping-pong existed ran without it (the same SASS)
         Tunable("pingpong", 0, (0, 1), stored_before=0),
-        Tunable("staged_store", 0, (0, 1), stored_before=0),
+        # 1: through shared memory in 16-byte rows; 2 (TMA_STORE): by TMA stores
+        Tunable("staged_store", 0, (0, 1, TMA_STORE), stored_before=0),
         Tunable("persistent", 0, (0, 1), stored_before=0),
         Tunable("late_pack", 0, (0, 1), stored_before=0),
     )
@@ -278,8 +286,11 @@ class WgmmaF16(KernelFamily):
             reason = f"late_pack={params.late_pack}: 0 or 1"
         elif params.late_pack and not params.overlap:
             reason = "late_pack orders the overlapped loop's packing: it needs overlap=1"
-        elif params.staged_store not in (0, 1):
-            reason = f"staged_store={params.staged_store}: 0 or 1"
+        elif params.staged_store not in (0, 1, TMA_STORE):
+            reason = (
+                f"staged_store={params.staged_store}: 0, 1 (16-byte rows) or {TMA_STORE} "
+                "(TMA stores)"
+            )
         elif params.staged_store and splits > 1:
             reason = f"staged_store stores a whole output; {splits} splits store partials"
         elif params.persistent not in (0, 1):
@@ -410,11 +421,11 @@ class WgmmaF16(KernelFamily):
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
-        # "/p1", "/ss", "/ps" and "/lp" only when on: the keys registries hold from before
-        # stay valid
+        # "/p1", "/ss" (or "/ts": TMA stores), "/ps" and "/lp" only when on: the keys
+        # registries hold from before stay valid
         extras = (
             ("/p1" if params.pingpong else "")
-            + ("/ss" if params.staged_store else "")
+            + STORE_KEYS[params.staged_store]
             + ("/ps" if params.persistent else "")
             + ("/lp" if params.late_pack else "")
         )
@@ -424,8 +435,9 @@ class WgmmaF16(KernelFamily):
         )
 
     def launches(self, plan: KernelPlan, buffers: DeviceBuffers) -> tuple[KernelLaunch, ...]:
-        """The split-KV contract's launches, the attention kernel's led by its three tensor
-        maps (Q, K, V) and ended by ``batch_heads`` (the persistent queue's second factor)."""
+        """The split-KV contract's launches, the attention kernel's led by its tensor maps
+        (Q, K, V; and O with TMA stores) and ended by ``batch_heads`` (the persistent queue's
+        second factor)."""
         return split_kv_launches(
             plan,
             buffers,

@@ -8,7 +8,7 @@
 //   * wgmma's products run at the wait that retires their group (wgmma_ops.cuh);
 //   * mbarriers (arrivals, transaction bytes, phases) and named barriers block the waiting
 //     host thread, and a wait that lasts a minute is reported as a deadlock;
-//   * stmatrix and the bulk reductions act when issued; the fences and setmaxnreg do nothing
+//   * stmatrix, the bulk reductions and the TMA stores act when issued; the fences and setmaxnreg do nothing
 //     (proxies and registers are not emulated).
 #pragma once
 
@@ -42,6 +42,7 @@
 #define mbar_wait real_mbar_wait
 #define prefetch_tensor_map real_prefetch_tensor_map
 #define tma_load_3d real_tma_load_3d
+#define tma_store_3d real_tma_store_3d
 #define named_barrier_sync real_named_barrier_sync
 #define named_barrier_arrive real_named_barrier_arrive
 #define setmaxnreg_dec real_setmaxnreg_dec
@@ -64,6 +65,7 @@
 #undef mbar_wait
 #undef prefetch_tensor_map
 #undef tma_load_3d
+#undef tma_store_3d
 #undef named_barrier_sync
 #undef named_barrier_arrive
 #undef setmaxnreg_dec
@@ -258,6 +260,35 @@ inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, in
     b.copies.push_back({dst, info, c0, c1, c2, b.phase});
     b.transaction_bytes -= bytes;
     emulated_barriers.settle(b);
+}
+
+// cp.async.bulk.tensor (shared to global): the box at `src`, laid out as a load of the same
+// map leaves it (swizzled), to the map's coordinates (c0, c1, c2); elements outside the map's
+// dims are not written. Acts when issued (the writes the fence and barrier before it order).
+inline void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+    emu::TensorMapInfo info;
+    std::memcpy(&info, map, sizeof(info));
+    const uint32_t pitch = info.box[0] * info.element_bytes;
+    const uint32_t bytes = pitch * info.box[1] * info.box[2];
+    if (src % 128 || src + bytes > emu::kSharedBytes || info.box[2] != 1 ||
+        pitch != static_cast<uint32_t>(info.swizzle_bytes)) {
+        std::fprintf(stderr, "TMA store of %u bytes from %u: misaligned, out of range, or not "
+                             "one swizzle row wide\n", bytes, src);
+        std::abort();
+    }
+    for (uint32_t r = 0; r < info.box[1]; ++r)
+        for (uint32_t e = 0; e < info.box[0]; ++e) {
+            const uint64_t x = static_cast<uint64_t>(c0) + e;
+            const uint64_t y = static_cast<uint64_t>(c1) + r;
+            if (c0 < 0 || c1 < 0 || c2 < 0 || x >= info.dims[0] || y >= info.dims[1] ||
+                static_cast<uint64_t>(c2) >= info.dims[2])
+                continue;
+            unsigned char* to = const_cast<unsigned char*>(info.base) + c2 * info.strides[1] +
+                                y * info.strides[0] + x * info.element_bytes;
+            std::memcpy(to, shared_raw + emulated_swizzle(src + r * pitch + e * info.element_bytes,
+                                                          info.swizzle_bytes),
+                        info.element_bytes);
+        }
 }
 
 // ---------------------------------------------------------------- fences, wgmma's groups
