@@ -18,6 +18,9 @@ process, on the same inputs, CUDA events around each call, L2 flushed before eac
 * torch SDPA's cuDNN and flash (FlashAttention-2) backends (``sdpa_kernel``), GQA through
   ``enable_gqa``.
 
+``--seed SHAPE:KEY`` adds a named plan of a shape (and its twins): the best of an earlier
+sweep, say, timed again with a new tunable flipped.
+
 ``--sweep``: each shape's candidates also include the key-tile sweep (``sweep_plans``):
 FlashAttention-3's structure (overlap, ping-pong, staged store; persistent and not; the
 overlap alone, with and without the staged store) at every key tile the planner allows, P
@@ -81,8 +84,6 @@ def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
     ``twins`` (wgmma_f16 tunables), each Hopper plan's feasible twins with one of those
     tunables at its other values (a mechanism's effect, measured against its own twin)."""
     from tuner.costmodel import predict_time_ms
-    from tuner.planner.families import family_named
-    from tuner.planner.params import KernelParams
     from tuner.planner.space import candidate_space
 
     feasible = candidate_space(problem, device).feasible
@@ -91,17 +92,7 @@ def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
         ranked = sorted((p for p in feasible if p.family == family),
                         key=lambda plan: predict_time_ms(plan, device))
         chosen += ranked[:count]
-    hopper = family_named("wgmma_f16")
-    keys = {plan.key() for plan in chosen}
-    for plan in [p for p in chosen if p.family == "wgmma_f16"]:
-        for tunable in (t for t in hopper.tunables if t.name in twins):
-            for value in tunable.values:
-                params = KernelParams("wgmma_f16", **(plan.params.tunables | {tunable.name: value}))
-                twin = hopper.plan(problem, params, device)
-                if twin.feasible and twin.key() not in keys:
-                    keys.add(twin.key())
-                    chosen.append(twin)
-    return chosen
+    return with_twins(chosen, problem, device, twins)
 
 
 #: the sweep's structures: FlashAttention-3's (overlap, ping-pong, staged store), persistent
@@ -142,9 +133,49 @@ def sweep_plans(problem: Problem, device: DeviceProfile) -> list[KernelPlan]:
     return found
 
 
-def shape_candidates(problem: Problem, device: DeviceProfile, args: argparse.Namespace
-                     ) -> list[KernelPlan]:
+def seeded_plans(problem: Problem, name: str, device: DeviceProfile, seeds: list[str],
+                 twins: tuple[str, ...]) -> list[KernelPlan]:
+    """The plans ``--seed NAME:KEY`` names for this shape, each with its ``twins`` (one
+    tunable flipped to each of its other values, where feasible)."""
+    from tuner.planner.space import candidate_space
+
+    keys = [seed.partition(":")[2] for seed in seeds if seed.partition(":")[0] == name]
+    if not keys:
+        return []
+    feasible = {plan.key(): plan for plan in candidate_space(problem, device).feasible}
+    missing = [key for key in keys if key not in feasible]
+    if missing:
+        raise SystemExit(f"--seed: {name} has no feasible plan {', '.join(missing)}")
+    return with_twins([feasible[key] for key in keys], problem, device, twins)
+
+
+def with_twins(plans: list[KernelPlan], problem: Problem, device: DeviceProfile,
+               twins: tuple[str, ...]) -> list[KernelPlan]:
+    """``plans`` and each Hopper plan's feasible twins with one of the ``twins`` tunables at
+    each of its other values, without repeats."""
+    from tuner.planner.families import family_named
+    from tuner.planner.params import KernelParams
+
+    hopper = family_named("wgmma_f16")
+    chosen = list(plans)
+    keys = {plan.key() for plan in chosen}
+    for plan in [p for p in plans if p.family == "wgmma_f16"]:
+        for tunable in (t for t in hopper.tunables if t.name in twins):
+            for value in tunable.values:
+                params = KernelParams("wgmma_f16", **(plan.params.tunables | {tunable.name: value}))
+                twin = hopper.plan(problem, params, device)
+                if twin.feasible and twin.key() not in keys:
+                    keys.add(twin.key())
+                    chosen.append(twin)
+    return chosen
+
+
+def shape_candidates(problem: Problem, device: DeviceProfile, args: argparse.Namespace,
+                     name: str = "") -> list[KernelPlan]:
     plans = candidates(problem, device, args.candidates, args.mma_candidates, tuple(args.twins))
+    keys = {plan.key() for plan in plans}
+    plans += [plan for plan in seeded_plans(problem, name, device, args.seed, tuple(args.twins))
+              if plan.key() not in keys]
     if args.sweep:
         keys = {plan.key() for plan in plans}
         plans += [plan for plan in sweep_plans(problem, device) if plan.key() not in keys]
@@ -165,7 +196,7 @@ def compiler_verdict(plan: KernelPlan, cache_dir: Path, device: DeviceProfile) -
 def precompile(cache_dir: Path, names: list[str], args: argparse.Namespace) -> None:
     from kernels import build
 
-    plans = [p for name in names for p in shape_candidates(SHAPES[name], H200, args)]
+    plans = [p for name in names for p in shape_candidates(SHAPES[name], H200, args, name)]
     results = build.compile_many(plans, cache_dir, arch=H200.arch)
     failed = {key: r.reason for key, r in results.items() if isinstance(r, build.CompileFailure)}
     print(f"{len(results)} variants compiled into {cache_dir}, {len(failed)} failed")
@@ -210,12 +241,12 @@ class Bench:
 
         return run, out
 
-    def shape(self, problem: Problem, only: str | None) -> dict[str, Any]:
+    def shape(self, problem: Problem, only: str | None, name: str = "") -> dict[str, Any]:
         torch = self.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         q, k, v = self.inputs(problem)
-        plans = shape_candidates(problem, self.runner.profile, self.args)
+        plans = shape_candidates(problem, self.runner.profile, self.args, name)
         if only is not None:
             plans = [p for p in plans if p.key() == only]
             if not plans:
@@ -294,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cubin cache")
     parser.add_argument("--plan", help="time only this plan key (one shape: for ncu)")
     parser.add_argument("--precompile", type=Path, metavar="DIR", help="compile only (no GPU)")
+    parser.add_argument("--seed", action="append", default=[], metavar="SHAPE:KEY",
+                        help="also time this plan of the shape, with its --twins")
     parser.add_argument("--sweep", action="store_true",
                         help="also time the key-tile sweep (sweep_plans) of each shape")
     args = parser.parse_args(argv)
@@ -322,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes:
         began = time.monotonic()
         print(f"{name}:", flush=True)
-        entry = bench.shape(SHAPES[name], args.plan)
+        entry = bench.shape(SHAPES[name], args.plan, name)
         entry["wall_s"] = round(time.monotonic() - began, 1)
         report["shapes"][name] = entry
         args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -110,6 +110,8 @@
 #ifndef LATE_PACK
 #define LATE_PACK 0  // 1 (with OVERLAP): P(t) packed once P V(t-1) has landed, one P register set
 #endif
+// FA_RESCALE_SLACK (include/fa/softmax.cuh; > 0 with OVERLAP): the overlapped loop skips the
+// output's rescale wherever no row of a warp moved its max (a warp vote)
 #ifndef PRODUCER_REGISTERS
 #define PRODUCER_REGISTERS 24
 #endif
@@ -142,6 +144,7 @@ static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 64 && BLOCK_N <= 192,
 static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
 static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "the ping-pong: 2 or 3 consumers, overlapped");
 static_assert(!LATE_PACK || OVERLAP, "late packing: a choice of the overlapped loop");
+static_assert(!FA_RESCALE_SLACK || OVERLAP, "the rescale slack: a choice of the overlapped loop");
 static_assert(STAGES >= 2 && STAGES <= 4, "a ring of 2 to 4 stages");
 static_assert(PERSISTENT == 0 || PERSISTENT == 1, "persistent: 0 or 1");
 static_assert(STAGED_STORE >= 0 && STAGED_STORE <= 2, "staged store: 0, 1 or 2 (TMA)");

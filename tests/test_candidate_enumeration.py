@@ -67,6 +67,7 @@ def test_incoherent_combinations_are_still_refused_with_their_reason() -> None:
         ({"pingpong": 1, "overlap": 0}, "with overlap=1"),
         ({"pingpong": 1, "overlap": 1, "consumers": 1}, "two or three consumers"),
         ({"late_pack": 1, "overlap": 0}, "it needs overlap=1"),
+        ({"rescale_slack": 8, "overlap": 0}, "rescales: it needs overlap=1"),
         ({"blocks_per_sm": 2, "consumers": 2}, "2 only with 1"),
     ]:
         params = KernelParams("wgmma_f16", **values)
@@ -75,10 +76,11 @@ def test_incoherent_combinations_are_still_refused_with_their_reason() -> None:
         assert not plan.feasible and words in plan.reason, plan.reason
 
 
-def test_planning_the_hopper_space_takes_under_two_seconds() -> None:
+def test_planning_the_hopper_space_takes_under_three_seconds() -> None:
     # 4x16x4096x128 bf16 took 4.0 s on this project's 2-core CI machine with nine key tiles
-    # and late packing, 88128 plans, before the enumeration skipped what it now skips
+    # and late packing, 88128 plans, before the enumeration skipped what it now skips (0.8 s);
+    # the rescale slack doubles the overlapped plans: 31248 planned, 1.5-1.8 s there
     start = time.perf_counter()
     space = candidate_space(PROBLEMS[0], H200)
-    assert time.perf_counter() - start < 2.0
-    assert len(space.feasible) + len(space.rejected) < 20000
+    assert time.perf_counter() - start < 3.0
+    assert len(space.feasible) + len(space.rejected) < 40000

@@ -200,6 +200,15 @@ WGMMA_FORWARD_CASES = [
         {"block_n": 96, "overlap": 1, "pingpong": 1, "staged_store": 2},
         None,
     ),
+    # the rescale slack (FlashAttention-4's conditional rescaling): rows keep a stale max
+    # within 2^8 and skip the output's rescale; with a window, softcap and sinks (the sink
+    # joins the denominator against the stale max), GQA, causal with kv_len > seq_len
+    (
+        Problem(130, 128, heads=4, kv_heads=2, kv_len=300, causal=True, dtype="bfloat16",
+                window_left=150, softcap=20.0, sinks=True),
+        {"overlap": 1, "pingpong": 1, "late_pack": 1, "rescale_slack": 8},
+        None,
+    ),
     # TMA stores on the persistent queue: the tile is released (q_empty) only once the TMA
     # has read it, and the next item's Q lands in it
     (

@@ -104,6 +104,8 @@ def test_the_default_plan_is_feasible_with_the_kernels_grid(registered: None) ->
         ({"pingpong": 1, "overlap": 1, "consumers": 1}, BF16, "two or three consumers"),
         ({"pingpong": 2, "overlap": 1}, BF16, "pingpong=2: 0 or 1"),
         ({"staged_store": 3}, BF16, "staged_store=3: 0, 1 (16-byte rows) or 2 (TMA stores)"),
+        ({"rescale_slack": 4, "overlap": 1}, BF16, "rescale_slack=4: 0 or 8"),
+        ({"rescale_slack": 8}, BF16, "rescale_slack skips the overlapped loop's rescales"),
         ({"staged_store": 1, "split_target": 2}, Problem(64, 128, kv_len=8192, dtype="bfloat16"),
          "staged_store stores a whole output"),
         # 32768 + 4 x 65536 + ... > 232448
@@ -276,17 +278,19 @@ def test_a_split_plan_adds_the_merge_without_tensor_maps(registered: None) -> No
     pingpong=st.sampled_from([0, 1]),
     staged_store=st.sampled_from([0, 1, 2]),
     persistent=st.sampled_from([0, 1]),
+    rescale_slack=st.sampled_from([0, 8]),
 )
 def test_feasible_plans_keep_the_kernels_contract(
     seq_len: int, extra_keys: int, head_dim: int, causal: bool, consumers: int, block_n: int,
     stages: int, blocks_per_sm: int, split_target: int, overlap: int, pingpong: int,
-    staged_store: int, persistent: int,
+    staged_store: int, persistent: int, rescale_slack: int,
 ) -> None:
     problem = Problem(seq_len, head_dim, batch=2, heads=8, kv_heads=2, causal=causal,
                       dtype="bfloat16", kv_len=seq_len + extra_keys)
     p = plan(problem, consumers=consumers, block_n=block_n, stages=stages,
              blocks_per_sm=blocks_per_sm, split_target=split_target, overlap=overlap,
-             pingpong=pingpong, staged_store=staged_store, persistent=persistent)
+             pingpong=pingpong, staged_store=staged_store, persistent=persistent,
+             rescale_slack=rescale_slack)
     if not p.feasible:
         assert p.reason
         return
@@ -301,6 +305,11 @@ def test_feasible_plans_keep_the_kernels_contract(
             if isinstance(a, TensorMap)]
     assert [m.buffer for m in maps] == ["q", "k", "v"] + ["out"] * (staged_store == 2)
     assert ("/ps" in p.key()) == bool(persistent)
+    # the slack changes the overlapped loop; its define only where it is on (the cubins of
+    # plans without it keep their names)
+    assert not rescale_slack or overlap == 1
+    assert ("/r8" in p.key()) == bool(rescale_slack)
+    assert FAMILY.compile_defines(p).get("FA_RESCALE_SLACK", 0) == rescale_slack
     assert p.launch.shared_bytes <= H200.max_shared_memory_per_block_optin
     assert blocks_per_sm * (p.launch.shared_bytes + 1024) <= H200.shared_memory_per_sm
     assert p.keys_per_sequence_split % block_n == 0

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 CACHE_DIR = os.environ.get("FLASH_ATTENTION_TUNER_CUBIN_CACHE", DEFAULT_CACHE_DIR)
 FAMILY = family_named("wgmma_f16")
 NAMES = ("consumers", "block_n", "stages", "blocks_per_sm", "overlap", "split_target",
-         "pingpong", "staged_store", "persistent", "late_pack")
+         "pingpong", "staged_store", "persistent", "late_pack", "rescale_slack")
 #: two consumer warpgroups and one (two blocks an SM), 64- and 128-key tiles, 2-4 stages,
 #: with and without the softmax/P V overlap and the ping-pong, the output from registers or
 #: staged through shared memory (in 16-byte rows or by TMA stores), split targets giving
@@ -51,6 +51,9 @@ PLANS = (
     # the epilogue by TMA stores (staged_store 2), one block a row block and persistent
     (2, 128, 3, 1, 1, 1 << 16, 1, 2, 0),
     (2, 64, 3, 1, 1, 1 << 16, 1, 2, 1),
+    # the rescale slack: a stale max within 2^8 and skipped rescales; one with splits
+    (2, 128, 3, 1, 1, 1 << 16, 1, 1, 0, 0, 8),
+    (2, 64, 2, 1, 1, 2, 0, 0, 0, 0, 8),
 )
 #: size-only verdicts: the plans are run anyway (a persistent plan of a few row blocks
 #: walks one each)
@@ -290,13 +293,14 @@ KEY_TILE_PLANS = {
          (2, 144, 4, 1, 1, T, 0, 0, 1, 1),
          # three consumers (192-row blocks): the three-way ping-pong, persistent, and split
          (3, 128, 2, 1, 1, T, 1, 0, 0, 1), (3, 96, 3, 1, 1, T, 1, 1, 1, 1),
-         (3, 128, 2, 1, 0, 2, 0, 0, 0, 0), (3, 128, 2, 1, 1, T, 1, 2, 1, 1)),
+         (3, 128, 2, 1, 0, 2, 0, 0, 0, 0), (3, 128, 2, 1, 1, T, 1, 2, 1, 1, 8)),
     96: ((2, 144, 2, 1, 1, T, 1, 1, 0, 1), (1, 176, 2, 1, 1, 2, 0, 0, 0, 1),
          (3, 96, 2, 1, 1, T, 1, 0, 0, 1), (3, 96, 4, 1, 1, T, 0, 2, 0, 1)),
     128: ((2, 176, 2, 1, 1, T, 1, 0, 0, 1), (2, 160, 2, 1, 1, T, 1, 1, 1, 1),
           (2, 144, 2, 1, 1, 2, 0, 0, 0, 1), (2, 112, 3, 1, 0, T, 0, 0, 0, 0)),
     192: ((2, 112, 2, 1, 1, T, 1, 1, 0, 1), (2, 96, 2, 1, 1, T, 0, 0, 1, 1)),
-    256: ((2, 80, 2, 1, 1, T, 1, 0, 0, 1), (2, 80, 2, 1, 1, T, 0, 0, 0, 1)),
+    256: ((2, 80, 2, 1, 1, T, 1, 0, 0, 1), (2, 80, 2, 1, 1, T, 0, 0, 0, 1),
+          (2, 80, 2, 1, 1, T, 0, 0, 0, 1, 8)),
 }  # fmt: skip
 
 

@@ -16,8 +16,13 @@ from typing import Any
 from tuner.planner.errors import PlanError
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, init=False)
 class KernelParams:
+    """Each tunable is also a plain instance attribute (``params.block_n``): the planner
+    reads them by the hundred thousand while it enumerates a space, and an attribute found
+    in the instance is an order of magnitude faster than one ``__getattr__`` resolves.
+    Equality, hashing and the repr are the fields' (family, values) only."""
+
     family: str
     values: tuple[tuple[str, int], ...]
 
@@ -46,8 +51,24 @@ class KernelParams:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PlanError(f"{family}: {tunable.name}={value!r} is not an integer")
             values.append((tunable.name, int(value)))
+        self._set(family, tuple(values))
+
+    def _set(self, family: str, values: tuple[tuple[str, int], ...]) -> None:
         object.__setattr__(self, "family", family)
-        object.__setattr__(self, "values", tuple(values))
+        object.__setattr__(self, "values", values)
+        for name, value in values:
+            if hasattr(type(self), name):
+                raise PlanError(f"{family}: a tunable may not be named {name!r}")
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def of_checked(cls, family: str, values: tuple[tuple[str, int], ...]) -> KernelParams:
+        """Params from (name, int) pairs already in the family's tunable order, every tunable
+        present: what a family's own enumeration builds, by the ten thousand, without the
+        checks ``__init__`` makes of a caller's values."""
+        params = object.__new__(cls)
+        params._set(family, values)
+        return params
 
     @classmethod
     def from_stored(cls, family: str, stored: Mapping[str, Any]) -> KernelParams:

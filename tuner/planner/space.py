@@ -122,8 +122,9 @@ def candidate_space(
     seen: set[str] = set()
     for params in enumerate_params(problem, axes):
         plan = plan_kernel(problem, params, device)
-        if plan.key() in seen:
+        key = plan.key()
+        if key in seen:
             continue
-        seen.add(plan.key())
+        seen.add(key)
         (feasible if plan.feasible else rejected).append(plan)
     return CandidateSpace(tuple(feasible), tuple(rejected))

@@ -15,47 +15,15 @@
 
 namespace fa {
 
-// Reductions over a row's scores in a thread: FA_SOFTMAX_TREE (1, 2 or 4; fewer where a tile
-// has fewer n8 chunks) independent chains rather than one, so the row max and the tile sum do not wait on NChunks dependent
-// instructions each; 0 keeps the one chain.
-#ifndef FA_SOFTMAX_TREE
-#define FA_SOFTMAX_TREE 0
-#endif
-// Rescale slack, log2 units (FlashAttention-4's conditional rescaling): the running max moves
-// only when a tile's max passes it by more than the slack; the scores then stay within 2^slack
-// of 1 (exact all the same: the sum and the output share the stale max), the correction is
-// exactly 1 and the output's rescale can be skipped (rescale_rows_if_moved). 0: the max moves
-// whenever a tile's is larger.
+// Rescale slack, log2 units (FlashAttention-4's conditional rescaling; a family's tunable,
+// wgmma_f16's rescale_slack): the running max moves only when a tile's max passes it by more
+// than the slack; P then stays below 2^slack (exact all the same: the sum and the output share
+// the stale max, and 2^8 is far inside fp16's and bf16's range), the correction is exactly 1
+// and the output's rescale can be skipped (rescale_rows_if_moved). 0: the max moves whenever
+// a tile's is larger.
 #ifndef FA_RESCALE_SLACK
 #define FA_RESCALE_SLACK 0
 #endif
-
-// The max (Max) or the sum of one row's 2 * NChunks values in this thread (half 0 or 1 of the
-// m16n8 layout), over FA_SOFTMAX_TREE independent partial chains (1: one chain).
-template <int NChunks, bool Max>
-__device__ __forceinline__ float row_reduce(const float* s, int half) {
-    constexpr int kChains = FA_SOFTMAX_TREE >= 4 && NChunks >= 4   ? 4
-                            : FA_SOFTMAX_TREE >= 2 && NChunks >= 2 ? 2
-                                                                   : 1;
-    float part[kChains];
-#pragma unroll
-    for (int k = 0; k < kChains; ++k) {
-        const float* first = s + 4 * k + 2 * half;
-        part[k] = Max ? fmaxf(first[0], first[1]) : first[0] + first[1];
-    }
-#pragma unroll
-    for (int c = kChains; c < NChunks; ++c) {
-        const float* chunk = s + 4 * c + 2 * half;
-        const int k = c % kChains;
-        part[k] = Max ? fmaxf(part[k], fmaxf(chunk[0], chunk[1])) : part[k] + (chunk[0] + chunk[1]);
-    }
-#pragma unroll
-    for (int width = kChains; width > 1; width /= 2)
-#pragma unroll
-        for (int k = 0; k < width / 2; ++k)
-            part[k] = Max ? fmaxf(part[k], part[k + width / 2]) : part[k] + part[k + width / 2];
-    return part[0];
-}
 
 struct SoftmaxRows {
     float max[2];  // running max, log2 domain (scaled); -inf until a row sees a key
@@ -73,13 +41,9 @@ struct SoftmaxRows {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = -INFINITY;
-#if FA_SOFTMAX_TREE
-            tile_max = row_reduce<NChunks, true>(s, half);
-#else
 #pragma unroll
             for (int c = 0; c < NChunks; ++c)
                 tile_max = fmaxf(tile_max, fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]));
-#endif
             tile_max = quad_max(tile_max);
 #if FA_RESCALE_SLACK > 0
             // (-inf + slack is -inf: a row's first visible key always moves it)
@@ -100,13 +64,8 @@ struct SoftmaxRows {
                 const float p1 = fast_exp2(s[4 * c + 2 * half + 1] * scale - base);
                 s[4 * c + 2 * half] = p0;
                 s[4 * c + 2 * half + 1] = p1;
-#if !FA_SOFTMAX_TREE
                 tile_sum += p0 + p1;
-#endif
             }
-#if FA_SOFTMAX_TREE
-            tile_sum = row_reduce<NChunks, false>(s, half);
-#endif
             sum[half] = sum[half] * correction[half] + tile_sum;
         }
     }

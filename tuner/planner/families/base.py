@@ -194,10 +194,22 @@ class KernelFamily(ABC):
             tuple(values.get(self.axis_name(self.tunable(name)), self.tunable(name).values))
             for name in order
         ]
+        defaults = tuple((t.name, t.default) for t in self.tunables)  # the params' order
+        for name, options in zip(order, choices, strict=True):
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in options):
+                raise PlanError(f"{self.name}: {name} values {options} are not all integers")
         seen_splits: set[tuple[tuple[int, ...], int]] = set()
+        # coherence is a rule over the structural tunables, never the split target: judged
+        # once for each combination of the others (the split targets multiply the product)
+        split = order.index("split_target") if "split_target" in order else len(order)
+        coherent: dict[tuple[int, ...], bool] = {}
         for combination in itertools.product(*choices):
+            structure = combination[:split] + combination[split + 1 :]
             chosen = dict(zip(order, combination, strict=True))
-            if not self.coherent(chosen):
+            known = coherent.get(structure)
+            if known is None:
+                known = coherent[structure] = self.coherent(chosen)
+            if not known:
                 continue
             splits = self.split_count(problem, chosen)
             if splits is not None:
@@ -205,11 +217,14 @@ class KernelFamily(ABC):
                 if (others, splits) in seen_splits:
                     continue
                 seen_splits.add((others, splits))
-            yield KernelParams(self.name, **chosen)
+            yield KernelParams.of_checked(
+                self.name, tuple((n, chosen.get(n, default)) for n, default in defaults)
+            )
 
     def coherent(self, values: Mapping[str, int]) -> bool:
         """Whether a combination of tunable values names a kernel at all, whatever the
-        problem (the ping-pong without the overlap it orders does not). The space enumerates
+        problem (the ping-pong without the overlap it orders does not); a rule over the
+        structural tunables that never reads ``split_target``. The space enumerates
         coherent ones only: the others would be rejected for every problem, by the
         thousand, drowning the reasons that matter. ``plan`` still refuses one asked for
         directly, with its reason. Default: every combination is."""

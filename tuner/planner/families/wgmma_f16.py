@@ -14,7 +14,10 @@ first under causal), its producer loading the next row block's K, V and Q while 
 finish the last (FlashAttention-3's static persistent scheduler); with ``late_pack`` (and
 ``overlap``) P(t) is packed to 16 bits only once P V(t-1) has landed, into one register set
 (FlashAttention-3's order: S + P + O live at the peak, not S + 2P + O, what 176-key tiles at
-head_dim 128 and 80-key ones at 256 need). K/V tiles of ``block_n`` keys (64 to 192, whole
+head_dim 128 and 80-key ones at 256 need); with ``rescale_slack`` (and ``overlap``) a row's
+running max moves only when a tile's passes it by more than that many (log2 units), so most
+tiles skip the output's rescale (FlashAttention-4's conditional rescaling; exact, as the sum
+and the output share the max). K/V tiles of ``block_n`` keys (64 to 192, whole
 k16 steps) stream through a ``stages``-deep ring in shared memory in the 128-byte swizzle
 (the 64-byte one at head_dim 96); S = Q K^T and O += P V are ``wgmma`` m64nNk16 products with
 fp32 accumulators in the consumers' registers; ``setmaxnreg`` gives the producer 24
@@ -111,6 +114,9 @@ ALIGNMENT_SLACK = 1024
 TMA_STORE = 2
 #: the plan key's mark of each ``staged_store`` (none when off: keys from before stay valid)
 STORE_KEYS = ("", "/ss", "/ts")
+#: ``rescale_slack``'s on value, log2 units (FlashAttention-4's threshold): the running max
+#: moves only when a tile's passes it by more, so most tiles skip the output's rescale
+RESCALE_SLACK = 8
 
 
 def wgmma_f16_shared_bytes(consumers: int, block_n: int, stages: int, head_dim: int) -> int:
@@ -237,6 +243,7 @@ class WgmmaF16(KernelFamily):
         Tunable("staged_store", 0, (0, 1, TMA_STORE), stored_before=0),
         Tunable("persistent", 0, (0, 1), stored_before=0),
         Tunable("late_pack", 0, (0, 1), stored_before=0),
+        Tunable("rescale_slack", 0, (0, RESCALE_SLACK), stored_before=0),
     )
     heatmap_axes = ("block_n", "consumers")
 
@@ -286,6 +293,10 @@ class WgmmaF16(KernelFamily):
             reason = f"late_pack={params.late_pack}: 0 or 1"
         elif params.late_pack and not params.overlap:
             reason = "late_pack orders the overlapped loop's packing: it needs overlap=1"
+        elif params.rescale_slack not in (0, RESCALE_SLACK):
+            reason = f"rescale_slack={params.rescale_slack}: 0 or {RESCALE_SLACK}"
+        elif params.rescale_slack and not params.overlap:
+            reason = "rescale_slack skips the overlapped loop's rescales: it needs overlap=1"
         elif params.staged_store not in (0, 1, TMA_STORE):
             reason = (
                 f"staged_store={params.staged_store}: 0, 1 (16-byte rows) or {TMA_STORE} "
@@ -384,12 +395,14 @@ class WgmmaF16(KernelFamily):
         )
 
     def coherent(self, values: Mapping[str, int]) -> bool:
-        """The ping-pong orders two or three overlapped consumers, late packing orders the
-        overlapped loop, and two blocks share an SM only with one consumer each."""
+        """The ping-pong orders two or three overlapped consumers, late packing and the rescale
+        slack change the overlapped loop, and two blocks share an SM only with one consumer
+        each."""
         overlapped = values["overlap"] == 1
         return not (
             (values["pingpong"] == 1 and (values["consumers"] < 2 or not overlapped))
             or (values["late_pack"] == 1 and not overlapped)
+            or (values["rescale_slack"] != 0 and not overlapped)
             or (values["blocks_per_sm"] == 2 and values["consumers"] != 1)
         )
 
@@ -417,17 +430,20 @@ class WgmmaF16(KernelFamily):
                 params.consumers, params.blocks_per_sm, SM90_REGISTERS_PER_SM
             ),
             **variant_defines(p),
+            # only when on: the variants (and cached cubins) of plans without it keep their keys
+            **({"FA_RESCALE_SLACK": params.rescale_slack} if params.rescale_slack else {}),
         }
 
     def key(self, plan: KernelPlan) -> str:
         params = plan.params
-        # "/p1", "/ss" (or "/ts": TMA stores), "/ps" and "/lp" only when on: the keys
-        # registries hold from before stay valid
+        # "/p1", "/ss" (or "/ts": TMA stores), "/ps", "/lp" and "/r8" (the rescale slack)
+        # only when on: the keys registries hold from before stay valid
         extras = (
             ("/p1" if params.pingpong else "")
             + STORE_KEYS[params.staged_store]
             + ("/ps" if params.persistent else "")
             + ("/lp" if params.late_pack else "")
+            + (f"/r{params.rescale_slack}" if params.rescale_slack else "")
         )
         return (
             f"wgmma_f16/c{params.consumers}/n{params.block_n}/st{params.stages}"
