@@ -11,6 +11,7 @@ with the kernel they replace (``tests/test_reliability_faults.py``).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +32,43 @@ _ENTRY = re.compile(
     r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)'
 )
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
+#: a compile-time constant's default: ``#ifndef NAME`` then ``#define NAME value``
+_DEFAULT = re.compile(r"^#ifndef (\w+)\n#define \1 (-?\d+)", re.MULTILINE)
+_CONDITION = re.compile(r"#if\s+(\w+)\s*(?:==\s*(-?\d+))?\s*$")
 
 
-def signatures_in(text: str) -> dict[str, list[type]]:
-    """Entry function name -> its parameters' types (``C_TYPES``), in order."""
+def _kept_lines(params: str, constants: Mapping[str, int]) -> str:
+    """A parameter list with its ``#if NAME == value`` / ``#if NAME`` ... ``#else`` ...
+    ``#endif`` blocks resolved against ``constants`` (a parameter a variant alone takes)."""
+    kept, taking = [], [True]
+    for line in params.splitlines():
+        directive = line.strip()
+        if directive.startswith("#if"):
+            match = _CONDITION.fullmatch(directive)
+            if match is None:
+                raise ValueError(f"a parameter list's directive this parser cannot read: {line!r}")
+            value = constants.get(match.group(1), 0)
+            holds = value == int(match.group(2)) if match.group(2) is not None else bool(value)
+            taking.append(taking[-1] and holds)
+        elif directive == "#else":
+            taking[-1] = not taking[-1] and taking[-2]
+        elif directive == "#endif":
+            taking.pop()
+        elif taking[-1]:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def signatures_in(text: str, defines: Mapping[str, int] | None = None) -> dict[str, list[type]]:
+    """Entry function name -> its parameters' types (``C_TYPES``), in order, for a variant
+    compiled with ``defines`` (the rest at the source's defaults)."""
+    constants = {name: int(value) for name, value in _DEFAULT.findall(text)} | dict(
+        defines or {}
+    )
     signatures: dict[str, list[type]] = {}
     for name, params in _ENTRY.findall(text):
         types = []
-        for param in params.split(","):
+        for param in _kept_lines(params, constants).split(","):
             words = (
                 param.replace("__restrict__", "")
                 .replace("__grid_constant__", "")
@@ -63,9 +93,10 @@ def with_local_includes(path: Path) -> str:
     return _LOCAL_INCLUDE.sub(splice, path.read_text())
 
 
-def kernel_signatures() -> dict[str, list[type]]:
-    """The signatures of every registered family's source."""
+def kernel_signatures(defines: Mapping[str, int] | None = None) -> dict[str, list[type]]:
+    """The signatures of every registered family's source (each variant's with ``defines``:
+    a plan's ``compile_defines``, or the sources' defaults)."""
     signatures: dict[str, list[type]] = {}
     for family in build.SOURCES:
-        signatures |= signatures_in(with_local_includes(build.source_path(family)))
+        signatures |= signatures_in(with_local_includes(build.source_path(family)), defines)
     return signatures

@@ -81,6 +81,9 @@ def test_signatures_are_found_for_every_entry_function() -> None:
         assert signatures[f"{family}_attention"] == contract + variant
     # wgmma_f16: led by its tensor maps, ended by batch_heads (its persistent queue)
     assert signatures["wgmma_f16_attention"] == [TensorMap] * 3 + contract + variant + [np.int32]
+    # with TMA stores (staged_store=2) a fourth map, the output's, follows v's
+    tma_stores = kernel_signatures({"STAGED_STORE": 2})["wgmma_f16_attention"]
+    assert tma_stores == [TensorMap] * 4 + contract + variant + [np.int32]
     merge = [np.uintp] * 3 + [np.int32] * 4 + [np.uintp] * 2
     for name in ("split_merge", "mma_f16_split_merge", "decode_f16_split_merge"):
         assert signatures[name] == merge
@@ -155,7 +158,7 @@ def check_launch(plan: KernelPlan) -> None:
     else:
         assert main.shared_bytes == scalar_shared_bytes(plan.threads, p.head_dim)
         assert main.grid == (-(-p.seq_len // plan.threads), 1, p.batch_heads)
-    signatures = kernel_signatures()
+    signatures = kernel_signatures(plan.compile_defines())
     for launch in launches:
         assert [type(a) for a in launch.args] == signatures[launch.function]
     assert len(launches) == (2 if plan.sequence_splits > 1 else 1)
