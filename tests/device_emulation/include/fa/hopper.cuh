@@ -241,20 +241,27 @@ inline void land_copy(const EmulatedCopy& copy) {
                 std::memset(to, 0, info.element_bytes);
         }
 }
-// Issues the copy: its bytes complete on `bar` now (so the phase completes as on the GPU), its
-// data lands at the first wait on that phase (mbar_wait).
-inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
-                        uint32_t bar) {
+// The map of a TMA copy between shared memory at `smem` and a tensor: the box must be one
+// swizzle row wide, of one plane, and lie in shared memory 128-byte aligned (else abort).
+inline emu::TensorMapInfo checked_box(const CUtensorMap* map, uint32_t smem, const char* what) {
     emu::TensorMapInfo info;
     std::memcpy(&info, map, sizeof(info));
     const uint32_t pitch = info.box[0] * info.element_bytes;
     const uint32_t bytes = pitch * info.box[1] * info.box[2];
-    if (dst % 128 || dst + bytes > emu::kSharedBytes || info.box[2] != 1 ||
+    if (smem % 128 || smem + bytes > emu::kSharedBytes || info.box[2] != 1 ||
         pitch != static_cast<uint32_t>(info.swizzle_bytes)) {
-        std::fprintf(stderr, "TMA box of %u bytes to %u: misaligned, out of range, or not one "
-                             "swizzle row wide\n", bytes, dst);
+        std::fprintf(stderr, "%s of %u bytes at shared %u: misaligned, out of range, or not one "
+                             "swizzle row wide\n", what, bytes, smem);
         std::abort();
     }
+    return info;
+}
+// Issues the copy: its bytes complete on `bar` now (so the phase completes as on the GPU), its
+// data lands at the first wait on that phase (mbar_wait).
+inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                        uint32_t bar) {
+    const emu::TensorMapInfo info = checked_box(map, dst, "a TMA load");
+    const uint32_t bytes = info.box[0] * info.element_bytes * info.box[1];
     auto held = emulated_barriers.lock();
     EmulatedMbarrier& b = emulated_barriers.mbarrier(bar);
     b.copies.push_back({dst, info, c0, c1, c2, b.phase});
@@ -266,16 +273,8 @@ inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, in
 // map leaves it (swizzled), to the map's coordinates (c0, c1, c2); elements outside the map's
 // dims are not written. Acts when issued (the writes the fence and barrier before it order).
 inline void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
-    emu::TensorMapInfo info;
-    std::memcpy(&info, map, sizeof(info));
+    const emu::TensorMapInfo info = checked_box(map, src, "a TMA store");
     const uint32_t pitch = info.box[0] * info.element_bytes;
-    const uint32_t bytes = pitch * info.box[1] * info.box[2];
-    if (src % 128 || src + bytes > emu::kSharedBytes || info.box[2] != 1 ||
-        pitch != static_cast<uint32_t>(info.swizzle_bytes)) {
-        std::fprintf(stderr, "TMA store of %u bytes from %u: misaligned, out of range, or not "
-                             "one swizzle row wide\n", bytes, src);
-        std::abort();
-    }
     for (uint32_t r = 0; r < info.box[1]; ++r)
         for (uint32_t e = 0; e < info.box[0]; ++e) {
             const uint64_t x = static_cast<uint64_t>(c0) + e;
