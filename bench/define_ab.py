@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hopper_bench import SHAPES, Bench  # noqa: E402
+from hopper_bench import SHAPES, Bench, feasible_plans  # noqa: E402
 
 from tuner.device import H200  # noqa: E402
 from tuner.planner.plan import KernelPlan  # noqa: E402
@@ -49,12 +49,10 @@ def parse_variant(text: str) -> tuple[str, dict[str, int]]:
 
 
 def case_plan(case: str) -> KernelPlan:
-    from tuner.planner.space import candidate_space
-
     shape, _, key = case.partition(":")
     if shape not in SHAPES:
         raise SystemExit(f"--case {case!r}: {shape!r} is none of {', '.join(SHAPES)}")
-    for plan in candidate_space(SHAPES[shape], H200).feasible:
+    for plan in feasible_plans(SHAPES[shape], H200):
         if plan.key() == key:
             return plan
     raise SystemExit(f"--case {case!r}: no feasible plan of {shape} has the key {key!r}")

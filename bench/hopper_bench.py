@@ -37,6 +37,7 @@ the candidates for the H200's profile into a cubin cache to carry.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -78,15 +79,23 @@ SHAPES: dict[str, Problem] = {
 }
 
 
+@functools.cache
+def feasible_plans(problem: Problem, device: DeviceProfile) -> tuple[KernelPlan, ...]:
+    """The planner's feasible plans of ``problem`` (planned once a shape: about 1.3 s at
+    head_dim 128, and the candidates, the seeds and the twins all draw on them)."""
+    from tuner.planner.space import candidate_space
+
+    return candidate_space(problem, device).feasible
+
+
 def candidates(problem: Problem, device: DeviceProfile, wgmma: int, mma: int,
                twins: tuple[str, ...] = ()) -> list[KernelPlan]:
     """The cost model's ``wgmma`` best Hopper plans and ``mma`` best mma.sync plans; with
     ``twins`` (wgmma_f16 tunables), each Hopper plan's feasible twins with one of those
     tunables at its other values (a mechanism's effect, measured against its own twin)."""
     from tuner.costmodel import predict_time_ms
-    from tuner.planner.space import candidate_space
 
-    feasible = candidate_space(problem, device).feasible
+    feasible = feasible_plans(problem, device)
     chosen: list[KernelPlan] = []
     for family, count in (("wgmma_f16", wgmma), ("mma_f16", mma)):
         ranked = sorted((p for p in feasible if p.family == family),
@@ -137,12 +146,10 @@ def seeded_plans(problem: Problem, name: str, device: DeviceProfile, seeds: list
                  twins: tuple[str, ...]) -> list[KernelPlan]:
     """The plans ``--seed NAME:KEY`` names for this shape, each with its ``twins`` (one
     tunable flipped to each of its other values, where feasible)."""
-    from tuner.planner.space import candidate_space
-
     keys = [seed.partition(":")[2] for seed in seeds if seed.partition(":")[0] == name]
     if not keys:
         return []
-    feasible = {plan.key(): plan for plan in candidate_space(problem, device).feasible}
+    feasible = {plan.key(): plan for plan in feasible_plans(problem, device)}
     missing = [key for key in keys if key not in feasible]
     if missing:
         raise SystemExit(f"--seed: {name} has no feasible plan {', '.join(missing)}")

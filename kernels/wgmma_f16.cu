@@ -269,9 +269,9 @@ __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, cons
                               pair);
         }
     }
+    if (STAGED_STORE == 2) fa::fence_proxy_async_shared();  // before the TMA reads them
+    fa::named_barrier_sync(STAGED_STORE_BARRIER + consumer, 128);
     if (STAGED_STORE == 2) {
-        fa::fence_proxy_async_shared();  // this thread's writes, before the TMA reads them
-        fa::named_barrier_sync(STAGED_STORE_BARRIER + consumer, 128);
         if (warp == 0 && lane == 0) {
 #pragma unroll
             for (int chunk = 0; chunk < CHUNKS; ++chunk)
@@ -282,7 +282,6 @@ __device__ __forceinline__ void staged_store(elem_t* out_bh, uint32_t tile, cons
         }
         return;
     }
-    fa::named_barrier_sync(STAGED_STORE_BARRIER + consumer, 128);
     constexpr int UNITS = HEAD_DIM * 2 / 16;  // 16-byte units of a row
     const int tid = 32 * warp + lane;
 #pragma unroll
@@ -551,11 +550,7 @@ wgmma_f16_attention(const __grid_constant__ CUtensorMap q_map,
                 __syncwarp();
                 if (lane == 0) fa::mbar_arrive(v_empty + 8 * previous.stage);
                 if (LATE_PACK) pack_p(s_acc, p_next);  // into the set P V(t-1) has done reading
-#if FA_RESCALE_SLACK > 0
                 fa::rescale_rows_if_moved<O_REGS / 4>(o_acc, correction);
-#else
-                fa::rescale_rows<O_REGS / 4>(o_acc, correction);
-#endif
             };
             auto last_product = [&](const uint32_t(*p_last)[4]) {
                 const RingSlot last(ring + tiles.count - 1);

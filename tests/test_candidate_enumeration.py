@@ -84,3 +84,24 @@ def test_planning_the_hopper_space_takes_under_three_seconds() -> None:
     space = candidate_space(PROBLEMS[0], H200)
     assert time.perf_counter() - start < 3.0
     assert len(space.feasible) + len(space.rejected) < 40000
+
+
+def test_a_tunable_named_like_a_params_attribute_is_refused_at_registration() -> None:
+    """KernelParams holds each tunable as an instance attribute: one named ``values`` (a
+    field) or ``tunables`` (a property) would shadow it, so a family declaring one is
+    refused when it registers, not each time params are made."""
+    from tuner.planner.errors import PlanError
+    from tuner.planner.families import register, registered
+    from tuner.planner.families.base import Tunable
+
+    hopper = family_named("wgmma_f16")
+    for name in ("values", "tunables"):
+        shadowing = type(
+            "Shadowing", (type(hopper),),
+            {"name": f"shadowing_{name}", "tunables": (*hopper.tunables, Tunable(name, 0, (0,)))},
+        )()
+        with pytest.raises(PlanError, match=f"may not be named '{name}'"):
+            register(shadowing)
+        assert shadowing not in registered()
+    params = KernelParams("wgmma_f16", block_n=80)
+    assert params.block_n == 80 and params.tunables["block_n"] == 80

@@ -56,9 +56,7 @@ class KernelParams:
     def _set(self, family: str, values: tuple[tuple[str, int], ...]) -> None:
         object.__setattr__(self, "family", family)
         object.__setattr__(self, "values", values)
-        for name, value in values:
-            if hasattr(type(self), name):
-                raise PlanError(f"{family}: a tunable may not be named {name!r}")
+        for name, value in values:  # (no tunable shadows an attribute: families.register)
             object.__setattr__(self, name, value)
 
     @classmethod

@@ -88,11 +88,12 @@ __device__ __forceinline__ void rescale_rows(float* o, const float (&correction)
     }
 }
 
-// rescale_rows, skipped by the whole warp when no row of it moved its max (a correction of
-// exactly 1 everywhere: FA_RESCALE_SLACK makes that the common case).
+// rescale_rows; with FA_RESCALE_SLACK, skipped by the whole warp when no row of it moved its
+// max (a correction of exactly 1 everywhere: the slack makes that the common case).
 template <int DChunks>
 __device__ __forceinline__ void rescale_rows_if_moved(float* o, const float (&correction)[2]) {
-    if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f))
+    if (FA_RESCALE_SLACK == 0 ||
+        __any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f))
         rescale_rows<DChunks>(o, correction);
 }
 

@@ -10,6 +10,7 @@ line below.
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import import_module
 
 from tuner.planner.errors import PlanError
@@ -20,14 +21,22 @@ from tuner.planner.families.base import (
     OnlinePartition,
     Tunable,
 )
+from tuner.planner.params import KernelParams
 
 _FAMILIES: dict[str, KernelFamily] = {}
 
 
 def register(family: KernelFamily) -> KernelFamily:
-    """Add ``family``; a second family under the same name is refused."""
+    """Add ``family``; a second family under the same name is refused, and so is a tunable
+    named like an attribute of ``KernelParams`` (which holds each tunable as one)."""
     if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
         raise PlanError(f"a kernel family named {family.name!r} is already registered")
+    taken = {f.name for f in dataclasses.fields(KernelParams)}
+    shadowing = [
+        t.name for t in family.tunables if t.name in taken or hasattr(KernelParams, t.name)
+    ]
+    if shadowing:
+        raise PlanError(f"{family.name}: a tunable may not be named {shadowing[0]!r}")
     _FAMILIES[family.name] = family
     return family
 

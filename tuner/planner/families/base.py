@@ -205,11 +205,11 @@ class KernelFamily(ABC):
         coherent: dict[tuple[int, ...], bool] = {}
         for combination in itertools.product(*choices):
             structure = combination[:split] + combination[split + 1 :]
-            chosen = dict(zip(order, combination, strict=True))
             known = coherent.get(structure)
-            if known is None:
-                known = coherent[structure] = self.coherent(chosen)
-            if not known:
+            if known is False:
+                continue
+            chosen = dict(zip(order, combination, strict=True))
+            if known is None and not coherent.setdefault(structure, self.coherent(chosen)):
                 continue
             splits = self.split_count(problem, chosen)
             if splits is not None:

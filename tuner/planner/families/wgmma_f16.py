@@ -190,6 +190,23 @@ def swizzle_verdict(consumers: int, block_n: int, stages: int, head_dim: int) ->
     return ""
 
 
+def structure_verdict(values: Mapping[str, int]) -> str:
+    """Why a combination of tunables names no kernel, whatever the problem ("" when it does):
+    the ping-pong orders two or three overlapped consumers, late packing and the rescale slack
+    change the overlapped loop, and two blocks share an SM only with one consumer each.
+    ``plan`` refuses with this reason; the enumeration skips these (``coherent``)."""
+    consumers, overlapped = values["consumers"], values["overlap"] == 1
+    if values["pingpong"] == 1 and (consumers < 2 or not overlapped):
+        return "the ping-pong takes turns between two or three consumers, with overlap=1"
+    if values["late_pack"] == 1 and not overlapped:
+        return "late_pack orders the overlapped loop's packing: it needs overlap=1"
+    if values["rescale_slack"] != 0 and not overlapped:
+        return "rescale_slack skips the overlapped loop's rescales: it needs overlap=1"
+    if values["blocks_per_sm"] == 2 and consumers != 1:
+        return f"blocks_per_sm=2 with {consumers} consumers: 2 only with 1"
+    return ""
+
+
 def wgmma_tensor_maps(plan: KernelPlan, buffers: DeviceBuffers) -> tuple[TensorMap, ...]:
     """The kernel's Q, K and V maps, and with ``staged_store=2`` (TMA stores) the output's:
     3-D ``{head_dim, rows, heads}`` (row-major ``[heads][rows][head_dim]``), a box of one
@@ -287,21 +304,19 @@ class WgmmaF16(KernelFamily):
             reason = f"overlap={params.overlap}: 0 or 1"
         elif params.pingpong not in (0, 1):
             reason = f"pingpong={params.pingpong}: 0 or 1"
-        elif params.pingpong and (consumers < 2 or not params.overlap):
-            reason = "the ping-pong takes turns between two or three consumers, with overlap=1"
         elif params.late_pack not in (0, 1):
             reason = f"late_pack={params.late_pack}: 0 or 1"
-        elif params.late_pack and not params.overlap:
-            reason = "late_pack orders the overlapped loop's packing: it needs overlap=1"
         elif params.rescale_slack not in (0, RESCALE_SLACK):
             reason = f"rescale_slack={params.rescale_slack}: 0 or {RESCALE_SLACK}"
-        elif params.rescale_slack and not params.overlap:
-            reason = "rescale_slack skips the overlapped loop's rescales: it needs overlap=1"
         elif params.staged_store not in (0, 1, TMA_STORE):
             reason = (
                 f"staged_store={params.staged_store}: 0, 1 (16-byte rows) or {TMA_STORE} "
                 "(TMA stores)"
             )
+        elif blocks_per_sm not in (1, 2):
+            reason = f"blocks_per_sm={blocks_per_sm}: 1 or 2"
+        elif structural := structure_verdict(params.tunables):
+            reason = structural
         elif params.staged_store and splits > 1:
             reason = f"staged_store stores a whole output; {splits} splits store partials"
         elif params.persistent not in (0, 1):
@@ -313,8 +328,6 @@ class WgmmaF16(KernelFamily):
                 f"{row_blocks * bh} row blocks fill at most one wave of {slots} SM slots: "
                 "nothing for a persistent block to walk"
             )
-        elif blocks_per_sm not in (1, 2) or (blocks_per_sm == 2 and consumers != 1):
-            reason = f"blocks_per_sm={blocks_per_sm} with {consumers} consumers: 2 only with 1"
         if not reason:
             reason = self.variant_verdict(problem) or launch_verdict(threads, shared, device)
         if not reason and blocks_per_sm * (shared + device.reserved_shared_memory_per_block) > (
@@ -395,16 +408,7 @@ class WgmmaF16(KernelFamily):
         )
 
     def coherent(self, values: Mapping[str, int]) -> bool:
-        """The ping-pong orders two or three overlapped consumers, late packing and the rescale
-        slack change the overlapped loop, and two blocks share an SM only with one consumer
-        each."""
-        overlapped = values["overlap"] == 1
-        return not (
-            (values["pingpong"] == 1 and (values["consumers"] < 2 or not overlapped))
-            or (values["late_pack"] == 1 and not overlapped)
-            or (values["rescale_slack"] != 0 and not overlapped)
-            or (values["blocks_per_sm"] == 2 and values["consumers"] != 1)
-        )
+        return not structure_verdict(values)
 
     def split_count(self, problem: Problem, values: Mapping[str, int]) -> int | None:
         return splits_over_key_tiles(problem, values)
